@@ -1,0 +1,72 @@
+package middleware
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrInvalidKey is the sentinel wrapped by every *InvalidKeyError. Test for it with
+// errors.Is(err, ErrInvalidKey).
+var ErrInvalidKey = errors.New("inbox: invalid message key")
+
+// ErrProducedMessages is returned (and the delivery nacked, nothing committed) when a handler
+// wrapped by the inbox returns messages for the router to publish. The router publishes them
+// after the inbox has committed, so a crash or a failed publish in between would lose them for
+// good: the redelivery is recognised as a duplicate and the handler does not run again.
+// Publish through a transactional outbox instead (see docs/design.md).
+var ErrProducedMessages = errors.New("inbox: handler returned messages to publish; the router would publish them after the inbox commit, where a crash loses them (use an outbox)")
+
+// ErrBrokerSideKey is returned by MetadataKey when the named metadata field is a known
+// broker-side delivery identifier (a redelivered flag, a delivery counter, an offset, a receipt
+// handle): such a value describes one delivery, not the message, and changes on redelivery.
+var ErrBrokerSideKey = errors.New("inbox: metadata field is a broker-side delivery identifier, not a producer message ID")
+
+// ErrInvalidConfig wraps every configuration error returned by New and by store constructors.
+var ErrInvalidConfig = errors.New("inbox: invalid configuration")
+
+// InvalidKeyError reports why a message key (the producer's message ID or a business idempotency
+// key) was refused. It wraps ErrInvalidKey and is permanent (see IsPermanent): the message is not
+// processed, no row is written, and redelivering it cannot help. The key itself is never part of
+// the error string when it is invalid UTF-8 or oversized; only its length in bytes is.
+type InvalidKeyError struct {
+	// Source names where the key was read, e.g. "message UUID" or `metadata "idempotency_key"`.
+	Source string
+	// Reason is one of "empty", "too long", "invalid UTF-8", "contains NUL".
+	Reason string
+	// Length is the key's length in bytes.
+	Length int
+}
+
+func (e *InvalidKeyError) Error() string {
+	return fmt.Sprintf("inbox: invalid message key from %s: %s (%d bytes)", e.Source, e.Reason, e.Length)
+}
+
+// Unwrap returns ErrInvalidKey.
+func (e *InvalidKeyError) Unwrap() error { return ErrInvalidKey }
+
+// permanentError marks an error after which redelivery cannot succeed.
+type permanentError struct{ err error }
+
+func (e permanentError) Error() string { return e.err.Error() }
+func (e permanentError) Unwrap() error { return e.err }
+
+// Permanent wraps err to mark it permanent: a retry or redelivery of the same message will fail
+// the same way (a malformed payload, a business rule that rejects it). IsPermanent reports true
+// for it and for any error that wraps it. Permanent(nil) returns nil.
+//
+// The inbox itself still nacks a permanent error (it never acks a message it did not process);
+// route permanent errors to a dead-letter topic with Watermill's
+// middleware.PoisonQueueWithFilter(pub, topic, IsPermanent) added outside the inbox.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return permanentError{err: err}
+}
+
+// IsPermanent reports whether err is, or wraps, an error marked with Permanent, an
+// *InvalidKeyError, or ErrProducedMessages: errors that redelivery cannot fix.
+func IsPermanent(err error) bool {
+	var p permanentError
+	return errors.As(err, &p) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrProducedMessages)
+}

@@ -1,0 +1,162 @@
+package pgstore
+
+import (
+	"bytes"
+	"context"
+	"embed"
+	"fmt"
+	"io/fs"
+	"path"
+	"sort"
+	"strconv"
+	"strings"
+	"text/template"
+
+	"github.com/jackc/pgx/v5"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// migrationsTable records applied migrations per inbox table, in the inbox table's schema.
+const migrationsTable = "watermill_inbox_migrations"
+
+// Migration is one versioned schema change, rendered for a configured schema and table.
+type Migration struct {
+	// Version is the migration's number, starting at 1, from its file name.
+	Version int
+	// Name is the file name, e.g. "0001_create_processed_messages.sql".
+	Name string
+	// SQL is the statement text with quoted identifiers substituted.
+	SQL string
+}
+
+type migrationNames struct {
+	Table           string
+	ReceivedAtIndex string
+}
+
+// Migrations returns the store's migrations in version order, rendered for its schema and
+// table. Use MigrationSQL to get them as one script.
+func (s *Store) Migrations() ([]Migration, error) {
+	entries, err := fs.ReadDir(migrationFiles, "migrations")
+	if err != nil {
+		return nil, err
+	}
+	names := migrationNames{
+		Table:           s.table,
+		ReceivedAtIndex: pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
+	}
+	var out []Migration
+	for _, e := range entries {
+		v, err := strconv.Atoi(strings.SplitN(e.Name(), "_", 2)[0])
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("pgstore: migration file %q has no version prefix", e.Name())
+		}
+		raw, err := migrationFiles.ReadFile(path.Join("migrations", e.Name()))
+		if err != nil {
+			return nil, err
+		}
+		tmpl, err := template.New(e.Name()).Option("missingkey=error").Parse(string(raw))
+		if err != nil {
+			return nil, fmt.Errorf("pgstore: migration %s: %w", e.Name(), err)
+		}
+		var buf bytes.Buffer
+		if err := tmpl.Execute(&buf, names); err != nil {
+			return nil, fmt.Errorf("pgstore: migration %s: %w", e.Name(), err)
+		}
+		out = append(out, Migration{Version: v, Name: e.Name(), SQL: buf.String()})
+	}
+	sort.Slice(out, func(a, b int) bool { return out[a].Version < out[b].Version })
+	return out, nil
+}
+
+// MigrationSQL returns every migration as one SQL script, for users who run their own
+// migration tool. The script also creates the version table and records each version, so a
+// later Migrate call sees them applied and does nothing.
+func (s *Store) MigrationSQL() (string, error) {
+	ms, err := s.Migrations()
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- watermill-inbox schema for table %s\nBEGIN;\n", s.table)
+	b.WriteString(s.versionTableSQL() + ";\n")
+	for _, m := range ms {
+		fmt.Fprintf(&b, "\n-- %s\n%s\n", m.Name, strings.TrimSpace(m.SQL))
+		fmt.Fprintf(&b, "INSERT INTO %s (table_name, version) VALUES (%s, %d) ON CONFLICT DO NOTHING;\n",
+			s.versions, quoteLiteral(s.table), m.Version)
+	}
+	b.WriteString("COMMIT;\n")
+	return b.String(), nil
+}
+
+func (s *Store) versionTableSQL() string {
+	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+    table_name text        NOT NULL,
+    version    integer     NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (table_name, version)
+)`, s.versions)
+}
+
+// migrateLockKey is the advisory lock every Migrate call takes, so several instances starting
+// at once apply each migration exactly once: the others wait, then find it recorded.
+const migrateLockKey = "watermill-inbox:migrate"
+
+// Migrate applies pending migrations in one transaction, under a transaction-level advisory
+// lock (pg_advisory_xact_lock), so it is safe when several instances start at once. It
+// creates the schema when it does not exist. It returns the versions it applied (none when
+// the schema is current) or the first error, after which nothing is applied.
+func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
+	ms, err := s.Migrations()
+	if err != nil {
+		return nil, err
+	}
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", migrateLockKey); err != nil {
+			return fmt.Errorf("pgstore: migrate: lock: %w", err)
+		}
+		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{s.cfg.Schema}.Sanitize()); err != nil {
+			return fmt.Errorf("pgstore: migrate: create schema: %w", err)
+		}
+		if _, err := tx.Exec(ctx, s.versionTableSQL()); err != nil {
+			return fmt.Errorf("pgstore: migrate: version table: %w", err)
+		}
+		done := map[int]bool{}
+		rows, err := tx.Query(ctx, "SELECT version FROM "+s.versions+" WHERE table_name = $1", s.table)
+		if err != nil {
+			return fmt.Errorf("pgstore: migrate: read versions: %w", err)
+		}
+		versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil {
+			return fmt.Errorf("pgstore: migrate: read versions: %w", err)
+		}
+		for _, v := range versions {
+			done[int(v)] = true
+		}
+		for _, m := range ms {
+			if done[m.Version] {
+				continue
+			}
+			if _, err := tx.Exec(ctx, m.SQL); err != nil {
+				return fmt.Errorf("pgstore: migrate: %s: %w", m.Name, err)
+			}
+			if _, err := tx.Exec(ctx, "INSERT INTO "+s.versions+" (table_name, version) VALUES ($1, $2)", s.table, m.Version); err != nil {
+				return fmt.Errorf("pgstore: migrate: record %s: %w", m.Name, err)
+			}
+			applied = append(applied, m.Version)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return applied, nil
+}
+
+// quoteLiteral quotes s as a standard-conforming SQL string literal. Inputs here are quoted
+// identifiers built from validated names, never user data.
+func quoteLiteral(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
+}

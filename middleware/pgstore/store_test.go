@@ -1,0 +1,215 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+)
+
+func newStore(t *testing.T, conns int32) (*pgstore.Store, *testenv.Schema) {
+	t.Helper()
+	sch := testenv.NewSchema(t, conns)
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return s, sch
+}
+
+func TestConformance(t *testing.T) {
+	storetest.Run(t, func(t *testing.T) inbox.Store {
+		s, _ := newStore(t, 6)
+		return s
+	})
+}
+
+func TestNewRejectsUnsafeIdentifiers(t *testing.T) {
+	sch := testenv.NewSchema(t, 1)
+	for _, cfg := range []pgstore.Config{
+		{Table: `inbox"; DROP TABLE accounts; --`},
+		{Schema: "public.x"},
+		{Table: "1starts_with_digit"},
+		{Table: strings.Repeat("a", 48)},
+		{Schema: strings.Repeat("s", 64)},
+		{Table: "café"},
+	} {
+		if _, err := pgstore.New(sch.Pool, cfg); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("New(%+v) error = %v, want ErrInvalidConfig", cfg, err)
+		}
+	}
+	if _, err := pgstore.New(nil, pgstore.Config{}); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Errorf("New(nil pool) error = %v, want ErrInvalidConfig", err)
+	}
+}
+
+func tableExists(t *testing.T, sch *testenv.Schema, schema, table string) bool {
+	t.Helper()
+	var ok bool
+	err := sch.Pool.QueryRow(context.Background(),
+		"SELECT EXISTS (SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2)", schema, table).Scan(&ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+func TestMigrateConcurrentlyAppliesOnce(t *testing.T) {
+	sch := testenv.NewSchema(t, 8)
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, Table: "shared_inbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	results := make([][]int, 6)
+	errs := make([]error, 6)
+	for i := range results {
+		wg.Go(func() { results[i], errs[i] = s.Migrate(context.Background()) })
+	}
+	wg.Wait()
+	total := 0
+	for i := range results {
+		if errs[i] != nil {
+			t.Fatalf("concurrent Migrate %d: %v", i, errs[i])
+		}
+		total += len(results[i])
+	}
+	ms, _ := s.Migrations()
+	if total != len(ms) {
+		t.Fatalf("six concurrent Migrate calls applied %d migrations in total, want %d (each exactly once)", total, len(ms))
+	}
+	var recorded int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM watermill_inbox_migrations").Scan(&recorded); err != nil {
+		t.Fatal(err)
+	}
+	if recorded != len(ms) || !tableExists(t, sch, sch.Name, "shared_inbox") {
+		t.Fatalf("recorded versions = %d, table exists = %v", recorded, tableExists(t, sch, sch.Name, "shared_inbox"))
+	}
+	again, err := s.Migrate(context.Background())
+	if err != nil || len(again) != 0 {
+		t.Fatalf("Migrate on a current schema applied %v, err %v", again, err)
+	}
+}
+
+func TestMigrationSQLIsAppliableAndRecorded(t *testing.T) {
+	sch := testenv.NewSchema(t, 2)
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name + "_own", Table: "my_inbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	script, err := s.MigrationSQL()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(script, `"`+sch.Name+`_own"."my_inbox"`) {
+		t.Fatalf("script does not use the quoted configured table:\n%s", script)
+	}
+	ctx := context.Background()
+	// The users' own tool runs the script; the schema must exist for it.
+	if _, err := sch.Pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{sch.Name + "_own"}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = sch.Pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{sch.Name + "_own"}.Sanitize()+" CASCADE") })
+	conn, err := sch.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	if _, err := conn.Conn().PgConn().Exec(ctx, script).ReadAll(); err != nil {
+		t.Fatalf("running the printed script: %v", err)
+	}
+	if !tableExists(t, sch, sch.Name+"_own", "my_inbox") {
+		t.Fatal("script did not create the table")
+	}
+	applied, err := s.Migrate(ctx)
+	if err != nil || len(applied) != 0 {
+		t.Fatalf("Migrate after the printed script applied %v (err %v), want nothing", applied, err)
+	}
+}
+
+func TestClaimStoresMetadata(t *testing.T) {
+	s, sch := newStore(t, 2)
+	ctx := context.Background()
+	hash := []byte("0123456789abcdef0123456789abcdef")
+	tx, claimed, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{
+		MessageID: "m-meta", ConsumerName: "billing", MessageType: "PaymentReceived", CorrelationID: "corr-9", PayloadHash: hash,
+	})
+	if err != nil || !claimed {
+		t.Fatalf("claim: claimed=%v err=%v", claimed, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tx2, _, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{MessageID: "m-bare", ConsumerName: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx2.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var typ, corr *string
+	var gotHash []byte
+	var age time.Duration
+	err = sch.Pool.QueryRow(ctx, `SELECT message_type, correlation_id, payload_hash, now() - received_at
+		FROM inbox_processed_messages WHERE message_id = 'm-meta' AND consumer_name = 'billing'`).Scan(&typ, &corr, &gotHash, &age)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if typ == nil || *typ != "PaymentReceived" || corr == nil || *corr != "corr-9" || string(gotHash) != string(hash) || age < 0 || age > time.Minute {
+		t.Fatalf("row = (%v, %v, %x, age %v)", typ, corr, gotHash, age)
+	}
+	err = sch.Pool.QueryRow(ctx, `SELECT message_type, correlation_id FROM inbox_processed_messages WHERE message_id = 'm-bare'`).Scan(&typ, &corr)
+	if err != nil || typ != nil || corr != nil {
+		t.Fatalf("empty metadata must be stored as NULL: type=%v corr=%v err=%v", typ, corr, err)
+	}
+}
+
+func TestTxFromContextIsTheClaimTransaction(t *testing.T) {
+	s, sch := newStore(t, 2)
+	ctx := context.Background()
+	if _, ok := pgstore.TxFromContext(ctx); ok {
+		t.Fatal("TxFromContext found a transaction in a plain context")
+	}
+	if _, err := sch.Pool.Exec(ctx, "CREATE TABLE effects (id text PRIMARY KEY)"); err != nil {
+		t.Fatal(err)
+	}
+	tx, _, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{MessageID: "m-tx", ConsumerName: "c"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ptx, ok := pgstore.TxFromContext(tx.Context(ctx))
+	if !ok {
+		t.Fatal("TxFromContext found no transaction in the claim's context")
+	}
+	if _, err := ptx.Exec(ctx, "INSERT INTO effects VALUES ('m-tx')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var effects, claims int
+	_ = sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM inbox_processed_messages)").Scan(&effects, &claims)
+	if effects != 0 || claims != 0 {
+		t.Fatalf("after rollback: effects=%d claims=%d, want 0 and 0 (business write and claim share one transaction)", effects, claims)
+	}
+}
+
+func TestUnsupportedIsolationLevel(t *testing.T) {
+	s, _ := newStore(t, 1)
+	_, _, err := s.BeginClaim(context.Background(), inbox.TxOptions{Isolation: 7 /* sql.LevelLinearizable */}, inbox.Claim{MessageID: "m", ConsumerName: "c"})
+	if !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("err = %v, want ErrInvalidConfig", err)
+	}
+}
