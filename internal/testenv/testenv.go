@@ -137,3 +137,27 @@ func redact(raw string) string {
 	}
 	return u.Redacted()
 }
+
+// WithHost returns dsn with its host:port replaced by hostport (e.g. a Proxy's Addr).
+func WithHost(t testing.TB, dsn, hostport string) string {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatalf("parse database URL: %v", err)
+	}
+	u.Host = hostport
+	return u.String()
+}
+
+// DatabaseHostPort returns the host:port of DatabaseURL, for a Proxy target.
+func DatabaseHostPort(t testing.TB) string {
+	t.Helper()
+	u, err := url.Parse(DatabaseURL())
+	if err != nil || u.Host == "" {
+		t.Fatalf("INBOX_DATABASE_URL must be a URL with host:port for this test")
+	}
+	if u.Port() == "" {
+		return net.JoinHostPort(u.Hostname(), "5432")
+	}
+	return u.Host
+}

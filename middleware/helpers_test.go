@@ -1,0 +1,153 @@
+package middleware_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// env is one test's database: a fresh schema with the inbox table and an accounts table.
+type env struct {
+	t     *testing.T
+	sch   *testenv.Schema
+	store *pgstore.Store
+	runs  atomic.Int64 // handler invocations
+}
+
+func newEnv(t *testing.T, conns int32) *env {
+	t.Helper()
+	sch := testenv.NewSchema(t, conns)
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sch.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+		INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 10) g`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Every delivery must give its connection back, whatever happened to it.
+		if n := sch.Pool.Stat().AcquiredConns(); n != 0 {
+			t.Errorf("%d pool connections still acquired at the end of the test", n)
+		}
+	})
+	return &env{t: t, sch: sch, store: store}
+}
+
+func (e *env) inbox(consumer string, mod ...func(*inbox.Config)) *inbox.Inbox {
+	e.t.Helper()
+	cfg := inbox.Config{Store: e.store, ConsumerName: consumer}
+	for _, m := range mod {
+		m(&cfg)
+	}
+	ib, err := inbox.New(cfg, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return ib
+}
+
+type payment struct {
+	Account int   `json:"account"`
+	Amount  int64 `json:"amount"`
+}
+
+func paymentMsg(id string, account int, amount int64) *message.Message {
+	b, _ := json.Marshal(payment{account, amount})
+	return message.NewMessage(id, b)
+}
+
+// credit is the business handler: it adds the payment to the account in the inbox
+// transaction and counts its runs.
+func (e *env) credit(msg *message.Message) ([]*message.Message, error) {
+	e.runs.Add(1)
+	var p payment
+	if err := json.Unmarshal(msg.Payload, &p); err != nil {
+		return nil, inbox.Permanent(err)
+	}
+	tx, ok := pgstore.TxFromContext(msg.Context())
+	if !ok {
+		return nil, fmt.Errorf("no inbox transaction in the context")
+	}
+	_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + $1 WHERE id = $2", p.Amount, p.Account)
+	return nil, err
+}
+
+func (e *env) balance(account int) int64 {
+	e.t.Helper()
+	var b int64
+	if err := e.sch.Pool.QueryRow(context.Background(), "SELECT balance FROM accounts WHERE id = $1", account).Scan(&b); err != nil {
+		e.t.Fatal(err)
+	}
+	return b
+}
+
+// rows counts inbox rows, optionally for one message ID.
+func (e *env) rows(where string, args ...any) int {
+	e.t.Helper()
+	var n int
+	q := "SELECT count(*) FROM inbox_processed_messages"
+	if where != "" {
+		q += " WHERE " + where
+	}
+	if err := e.sch.Pool.QueryRow(context.Background(), q, args...).Scan(&n); err != nil {
+		e.t.Fatal(err)
+	}
+	return n
+}
+
+func (e *env) exec(sql string, args ...any) {
+	e.t.Helper()
+	if _, err := e.sch.Pool.Exec(context.Background(), sql, args...); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// deliver runs one delivery of msg through h as the router would, with a fresh context.
+func deliver(h message.HandlerFunc, msg *message.Message) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	m := msg.Copy()
+	m.SetContext(ctx)
+	_, err := h(m)
+	return err
+}
+
+// barrierStore holds every BeginClaim until n callers have arrived, then releases them
+// together: the concurrent-duplicate test's barrier just before the claim.
+type barrierStore struct {
+	inbox.Store
+	arrived chan struct{}
+	release chan struct{}
+	n       int
+}
+
+func newBarrierStore(s inbox.Store, n int) *barrierStore {
+	b := &barrierStore{Store: s, arrived: make(chan struct{}, n), release: make(chan struct{}), n: n}
+	go func() {
+		for range n {
+			<-b.arrived
+		}
+		close(b.release)
+	}()
+	return b
+}
+
+func (b *barrierStore) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, bool, error) {
+	b.arrived <- struct{}{}
+	<-b.release
+	return b.Store.BeginClaim(ctx, opts, c)
+}
