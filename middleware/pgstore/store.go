@@ -116,25 +116,40 @@ func isoLevel(l sql.IsolationLevel) (pgx.TxIsoLevel, error) {
 	return "", fmt.Errorf("%w: pgstore: isolation level %s is not supported", inbox.ErrInvalidConfig, l)
 }
 
-// BeginClaim implements inbox.Store. It takes a pool connection, begins a transaction and runs
-// INSERT ... ON CONFLICT (message_id, consumer_name) DO NOTHING; zero rows inserted means a
-// duplicate. ON CONFLICT DO NOTHING never raises 23505, so a duplicate leaves the transaction
-// usable. A concurrent claim of the same key waits on the first transaction's uncommitted row.
-// Errors are pgx's, wrapped with the failing step.
+// BeginClaim implements inbox.Store. It sends BEGIN and INSERT ... ON CONFLICT
+// (message_id, consumer_name) DO NOTHING to PostgreSQL in one pipelined round trip (pgx's
+// Batch.BeginTx); zero rows inserted means a duplicate. ON CONFLICT DO NOTHING never raises
+// 23505, so a duplicate leaves the transaction usable. A concurrent claim of the same key
+// waits on the first transaction's uncommitted row. The transaction holds one pool connection
+// until Commit or Rollback. Errors are pgx's, wrapped with the failing step; on error the
+// transaction is rolled back and the connection released.
 func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, bool, error) {
 	lvl, err := isoLevel(opts.Isolation)
 	if err != nil {
 		return nil, false, err
 	}
-	tx, err := s.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: lvl})
-	if err != nil {
-		return nil, false, fmt.Errorf("begin: %w", err)
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
+	b.Queue(s.claimSQL, c.MessageID, c.ConsumerName, nullIfEmpty(c.MessageType), nullIfEmpty(c.CorrelationID), c.PayloadHash)
+	br := s.pool.SendBatch(ctx, b)
+	tx := br.Tx()
+	_, beginErr := br.Exec()
+	tag, claimErr := br.Exec()
+	closeErr := br.Close()
+	switch {
+	case beginErr != nil:
+		err = fmt.Errorf("begin: %w", beginErr)
+	case claimErr != nil:
+		err = fmt.Errorf("insert claim: %w", claimErr)
+	case closeErr != nil:
+		err = fmt.Errorf("claim: %w", closeErr)
 	}
-	tag, err := tx.Exec(ctx, s.claimSQL, c.MessageID, c.ConsumerName,
-		nullIfEmpty(c.MessageType), nullIfEmpty(c.CorrelationID), c.PayloadHash)
 	if err != nil {
-		_ = tx.Rollback(context.WithoutCancel(ctx))
-		return nil, false, fmt.Errorf("insert claim: %w", err)
+		// Releases the connection; pgxpool destroys it if it is not back to idle.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), inbox.DefaultFinishTimeout)
+		_ = tx.Rollback(rctx)
+		cancel()
+		return nil, false, err
 	}
 	return &claimTx{tx: tx}, tag.RowsAffected() == 1, nil
 }

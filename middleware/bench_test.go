@@ -1,0 +1,151 @@
+package middleware_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+type bareTxKey struct{}
+
+// BenchmarkInboxVsBareTx measures messages per second through a Watermill router on GoChannel
+// with the inbox middleware, against the same handler in a bare transaction (BEGIN, the
+// handler's UPDATE, COMMIT; no claim), at 1, 8 and 32 concurrent deliveries. Both run in the
+// same benchmark iteration, interleaved, so their ratio is measured under the same machine
+// load. Each delivery is acked before its publisher sends the next message
+// (BlockPublishUntilSubscriberAck), so concurrency is exactly the number of delivery slots.
+//
+//	go test ./middleware -run '^$' -bench InboxVsBareTx -benchtime 3000x -count 3
+func BenchmarkInboxVsBareTx(b *testing.B) {
+	for _, slots := range []int{1, 8, 32} {
+		b.Run(fmt.Sprintf("deliveries=%d", slots), func(b *testing.B) { benchInboxVsBare(b, slots) })
+	}
+}
+
+func benchInboxVsBare(b *testing.B, slots int) {
+	const accounts = 10000
+	sch := testenv.NewSchema(b, int32(slots)+2)
+	ctx := context.Background()
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := store.Migrate(ctx); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := sch.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+		INSERT INTO accounts SELECT g, 0 FROM generate_series(1, `+strconv.Itoa(accounts)+`) g`); err != nil {
+		b.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "bench"}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+
+	handler := func(msg *message.Message) error {
+		tx, ok := msg.Context().Value(bareTxKey{}).(pgx.Tx)
+		if !ok {
+			tx, _ = pgstore.TxFromContext(msg.Context())
+		}
+		_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + 1 WHERE id = $1", rand.IntN(accounts)+1)
+		return err
+	}
+	bare := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			tx, err := sch.Pool.BeginTx(msg.Context(), pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+			if err != nil {
+				return nil, err
+			}
+			orig := msg.Context()
+			msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
+			out, err := h(msg)
+			msg.SetContext(orig)
+			if err != nil {
+				_ = tx.Rollback(context.WithoutCancel(orig))
+				return nil, err
+			}
+			return out, tx.Commit(context.WithoutCancel(orig))
+		}
+	}
+
+	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := range slots {
+		router.AddConsumerHandler(fmt.Sprintf("bare-%d", i), fmt.Sprintf("bare-%d", i), pubsub, func(m *message.Message) error {
+			_, err := bare(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
+			return err
+		})
+		router.AddConsumerHandler(fmt.Sprintf("inbox-%d", i), fmt.Sprintf("inbox-%d", i), pubsub, func(m *message.Message) error {
+			_, err := ib.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
+			return err
+		})
+	}
+	go func() { _ = router.Run(ctx) }()
+	<-router.Running()
+	b.Cleanup(func() { _ = router.Close(); _ = pubsub.Close() })
+
+	// run publishes n messages to prefix-0..prefix-(slots-1), one publisher per slot, and
+	// returns the elapsed time.
+	run := func(prefix string, n int) time.Duration {
+		start := time.Now()
+		var wg sync.WaitGroup
+		for s := range slots {
+			share := n / slots
+			if s < n%slots {
+				share++
+			}
+			wg.Go(func() {
+				for range share {
+					if err := pubsub.Publish(fmt.Sprintf("%s-%d", prefix, s), message.NewMessage(uuid.NewString(), nil)); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		return time.Since(start)
+	}
+	run("bare", 2*slots) // warm both paths: connections, prepared statements
+	run("inbox", 2*slots)
+
+	b.ResetTimer()
+	var bareT, inboxT time.Duration
+	// Interleave in chunks so both modes see the same machine conditions.
+	const chunks = 4
+	for c := range chunks {
+		n := b.N / chunks
+		if c < b.N%chunks {
+			n++
+		}
+		bareT += run("bare", n)
+		inboxT += run("inbox", n)
+	}
+	b.StopTimer()
+	bareRate := float64(b.N) / bareT.Seconds()
+	inboxRate := float64(b.N) / inboxT.Seconds()
+	b.ReportMetric(bareRate, "bare-msg/s")
+	b.ReportMetric(inboxRate, "inbox-msg/s")
+	b.ReportMetric(inboxRate/bareRate, "ratio")
+	b.ReportMetric(0, "ns/op")
+	if got := ib.Stats().Processed; got < uint64(b.N) {
+		b.Fatalf("inbox processed %d of %d messages", got, b.N)
+	}
+}
