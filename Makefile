@@ -1,0 +1,26 @@
+# watermill-inbox: the two commands of the README are `make demo` and `make test`.
+GO     ?= go
+BROKER ?= postgres
+
+.PHONY: demo test bench services vet
+
+## demo: the main job: real messages through a real broker, real duplicates, real crashes,
+## verified balances (BROKER=postgres|amqp).
+demo:
+	$(GO) run ./examples/billing -broker=$(BROKER)
+
+## test: vet, then every test against the real PostgreSQL and RabbitMQ, with the race detector.
+## Packages run one at a time (-p 1): one test restarts PostgreSQL.
+test: vet
+	$(GO) test -race -count=1 -p 1 -timeout 20m ./...
+
+vet:
+	$(GO) vet ./...
+
+## bench: the inbox against a bare transaction, at 1, 8 and 32 concurrent deliveries.
+bench:
+	$(GO) test ./middleware -run '^$$' -bench InboxVsBareTx -benchtime 3000x -count 3
+
+## services: start PostgreSQL and RabbitMQ when they are down.
+services:
+	bash .ci/services
