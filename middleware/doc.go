@@ -18,7 +18,7 @@
 //		_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + $1 WHERE id = $2", amount, id)
 //		return err
 //	})
-//	h.AddMiddleware(ib.Middleware) // handler-level middleware runs inside router-level middleware
+//	h.AddMiddleware(ib.Middleware) // add it last: Watermill nests middleware in the order added
 //
 // Per delivery the inbox opens one transaction and, in this order: claims the producer's
 // message ID for the consumer with INSERT ... ON CONFLICT DO NOTHING on the
