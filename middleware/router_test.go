@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // TestRouterAcksDuplicatesAndRoutesPermanentErrors runs the inbox in a Watermill router on
@@ -84,5 +85,33 @@ func TestRouterAcksDuplicatesAndRoutesPermanentErrors(t *testing.T) {
 	}
 	if s := ib.Stats(); s.Processed != 2 || s.Duplicates != 1 || s.InvalidKeys != 1 {
 		t.Fatalf("stats %+v", s)
+	}
+}
+
+// TestRetryOutsideInboxOpensFreshTransactions puts Watermill's in-process Retry outside the
+// inbox. The first attempt breaks its transaction (a failing statement aborts it); the retry
+// must run in a fresh transaction with a fresh claim, not in the aborted one.
+func TestRetryOutsideInboxOpensFreshTransactions(t *testing.T) {
+	e := newEnv(t, 2)
+	ib := e.inbox("billing")
+	retry := wmmiddleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond}
+	attempts := 0
+	h := retry.Middleware(ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		attempts++
+		if _, err := e.credit(msg); err != nil {
+			return nil, err
+		}
+		if attempts == 1 {
+			tx, _ := pgstore.TxFromContext(msg.Context())
+			_, err := tx.Exec(msg.Context(), "SELECT 1/0") // aborts this transaction (22012)
+			return nil, err
+		}
+		return nil, nil
+	}))
+	if err := deliver(h, paymentMsg("m-retry", 2, 40)); err != nil {
+		t.Fatalf("delivery with an in-process retry: %v", err)
+	}
+	if b, n := e.balance(2), e.rows(""); b != 40 || n != 1 || attempts != 2 {
+		t.Fatalf("balance %d, rows %d, attempts %d; want 40, 1, 2", b, n, attempts)
 	}
 }
