@@ -72,8 +72,8 @@ func (s *Store) Migrations() ([]Migration, error) {
 }
 
 // MigrationSQL returns every migration as one SQL script, for users who run their own
-// migration tool. The script also creates the version table and records each version, so a
-// later Migrate call sees them applied and does nothing.
+// migration tool. The script creates the schema when missing, creates the version table and
+// records each version, so a later Migrate call sees them applied and does nothing.
 func (s *Store) MigrationSQL() (string, error) {
 	ms, err := s.Migrations()
 	if err != nil {
@@ -81,6 +81,7 @@ func (s *Store) MigrationSQL() (string, error) {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "-- watermill-inbox schema for table %s\nBEGIN;\n", s.table)
+	fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", pgx.Identifier{s.cfg.Schema}.Sanitize())
 	b.WriteString(s.versionTableSQL() + ";\n")
 	for _, m := range ms {
 		fmt.Fprintf(&b, "\n-- %s\n%s\n", m.Name, strings.TrimSpace(m.SQL))
@@ -159,4 +160,14 @@ func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 // identifiers built from validated names, never user data.
 func quoteLiteral(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
+}
+
+// MigrationSQL returns the migration script (see Store.MigrationSQL) for cfg without a
+// database connection, or an error wrapping inbox.ErrInvalidConfig for invalid names.
+func MigrationSQL(cfg Config) (string, error) {
+	s, err := newNames(cfg)
+	if err != nil {
+		return "", err
+	}
+	return s.MigrationSQL()
 }

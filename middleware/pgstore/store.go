@@ -74,6 +74,16 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pgstore: nil pool", inbox.ErrInvalidConfig)
 	}
+	s, err := newNames(cfg)
+	if err != nil {
+		return nil, err
+	}
+	s.pool = pool
+	return s, nil
+}
+
+// newNames validates cfg and returns a Store without a pool, holding the quoted names and SQL.
+func newNames(cfg Config) (*Store, error) {
 	if cfg.Schema == "" {
 		cfg.Schema = DefaultSchema
 	}
@@ -88,7 +98,6 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
 	return &Store{
-		pool:     pool,
 		cfg:      cfg,
 		table:    table,
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),

@@ -121,7 +121,9 @@ func TestMigrationSQLIsAppliableAndRecorded(t *testing.T) {
 	if _, err := sch.Pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{sch.Name + "_own"}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = sch.Pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{sch.Name + "_own"}.Sanitize()+" CASCADE") })
+	t.Cleanup(func() {
+		_, _ = sch.Pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{sch.Name + "_own"}.Sanitize()+" CASCADE")
+	})
 	conn, err := sch.Pool.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,111 @@
+// Command watermill-inbox is the operator's tool for the inbox table.
+//
+//	watermill-inbox migrate                  # apply pending migrations
+//	watermill-inbox migrate --print          # print the SQL for your own migration tool
+//	watermill-inbox migrate --schema billing --table inbox
+//
+// The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL).
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := rootCmd().ExecuteContext(ctx); err != nil {
+		os.Exit(1)
+	}
+}
+
+type storeFlags struct {
+	databaseURL, schema, table string
+}
+
+func (f *storeFlags) register(cmd *cobra.Command) {
+	cmd.Flags().StringVar(&f.databaseURL, "database-url", "", "PostgreSQL URL (default $INBOX_DATABASE_URL, then $DATABASE_URL)")
+	cmd.Flags().StringVar(&f.schema, "schema", pgstore.DefaultSchema, "schema of the inbox table")
+	cmd.Flags().StringVar(&f.table, "table", pgstore.DefaultTable, "inbox table name")
+}
+
+func (f *storeFlags) url() string {
+	for _, v := range []string{f.databaseURL, os.Getenv("INBOX_DATABASE_URL"), os.Getenv("DATABASE_URL")} {
+		if v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+func rootCmd() *cobra.Command {
+	root := &cobra.Command{
+		Use:           "watermill-inbox",
+		Short:         "Operate the watermill-inbox PostgreSQL table",
+		SilenceUsage:  true,
+		SilenceErrors: false,
+	}
+	root.AddCommand(migrateCmd())
+	return root
+}
+
+func migrateCmd() *cobra.Command {
+	var f storeFlags
+	var print bool
+	cmd := &cobra.Command{
+		Use:   "migrate",
+		Short: "Apply the inbox schema migrations, or print them with --print",
+		Long: "Applies pending migrations in one transaction under an advisory lock (safe when several\n" +
+			"instances run it at once). With --print, writes the SQL script to standard output\n" +
+			"without connecting, for teams that run their own migration tool.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if print {
+				script, err := pgstore.MigrationSQL(pgstore.Config{Schema: f.schema, Table: f.table})
+				if err != nil {
+					return err
+				}
+				_, err = fmt.Fprint(cmd.OutOrStdout(), script)
+				return err
+			}
+			if _, err := pgstore.MigrationSQL(pgstore.Config{Schema: f.schema, Table: f.table}); err != nil {
+				return err // invalid names, reported before connecting
+			}
+			url := f.url()
+			if url == "" {
+				return fmt.Errorf("no database URL: pass --database-url or set INBOX_DATABASE_URL")
+			}
+			pool, err := pgxpool.New(cmd.Context(), url)
+			if err != nil {
+				return fmt.Errorf("connect: %w", err)
+			}
+			defer pool.Close()
+			store, err := pgstore.New(pool, pgstore.Config{Schema: f.schema, Table: f.table})
+			if err != nil {
+				return err
+			}
+			applied, err := store.Migrate(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if len(applied) == 0 {
+				fmt.Fprintf(cmd.OutOrStdout(), "%s is up to date\n", store.Table())
+			} else {
+				fmt.Fprintf(cmd.OutOrStdout(), "%s: applied migrations %v\n", store.Table(), applied)
+			}
+			return nil
+		},
+	}
+	f.register(cmd)
+	cmd.Flags().BoolVar(&print, "print", false, "print the SQL script instead of applying it")
+	return cmd
+}
