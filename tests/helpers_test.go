@@ -1,0 +1,681 @@
+// Package tests holds the crash and real-broker integration tests of the inbox: PostgreSQL and
+// RabbitMQ must be running (see internal/testenv); a missing service fails the test.
+//
+// This file holds the helpers shared by crash_test.go, redelivery_test.go and
+// pgrestart_test.go: the bank schema the handler updates, the consumer (Watermill router + the
+// inbox middleware + pgstore + watermill-amqp), the RabbitMQ admin connection, and the child
+// consumer process that crash tests kill with SIGKILL.
+package tests
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"regexp"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// bankConsumerName is the inbox consumer name of every consumer in these tests.
+const bankConsumerName = "bank"
+
+// bankSchemaSQL creates the business table and the observation tables. handler_runs and
+// deliveries are written on separate autocommit connections, so they record attempts whose
+// inbox transaction rolled back or whose process was killed.
+const bankSchemaSQL = `
+CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+CREATE TABLE handler_runs (id bigserial PRIMARY KEY, message_id text NOT NULL, pid int NOT NULL);
+CREATE TABLE deliveries (id bigserial PRIMARY KEY, message_id text NOT NULL, redelivered bool NOT NULL, pid int NOT NULL);
+CREATE TABLE attempts (message_id text PRIMARY KEY, n int NOT NULL);
+`
+
+// setupBank creates the bank tables with accounts 1..accounts at balance 0 in schema, migrates
+// the inbox table into it and returns the store.
+func setupBank(t testing.TB, schema *testenv.Schema, accounts int) *pgstore.Store {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	if _, err := schema.Pool.Exec(ctx, bankSchemaSQL); err != nil {
+		t.Fatalf("create bank tables: %v", err)
+	}
+	if _, err := schema.Pool.Exec(ctx, "INSERT INTO accounts (id) SELECT generate_series(1, $1::int)", accounts); err != nil {
+		t.Fatalf("create accounts: %v", err)
+	}
+	store, err := pgstore.New(schema.Pool, pgstore.Config{Schema: schema.Name})
+	if err != nil {
+		t.Fatalf("pgstore.New: %v", err)
+	}
+	if _, err := store.Migrate(ctx); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	return store
+}
+
+// payment is the message payload: add Amount to account Account.
+type payment struct {
+	Account int   `json:"account"`
+	Amount  int64 `json:"amount"`
+}
+
+// paymentMsg returns a message with the producer-assigned id and a payment payload.
+func paymentMsg(t testing.TB, id string, account int, amount int64) *message.Message {
+	t.Helper()
+	b, err := json.Marshal(payment{Account: account, Amount: amount})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return message.NewMessage(id, b)
+}
+
+// querier is satisfied by *pgxpool.Pool and *pgx.Conn.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// queryInt runs a query returning one integer (e.g. a count or a balance) and fails t on error.
+func queryInt(t testing.TB, q querier, sql string, args ...any) int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var n int64
+	if err := q.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+// tryQueryInt is queryInt that returns the error instead of failing, for polling while the
+// database may be restarting.
+func tryQueryInt(q querier, sql string, args ...any) (int64, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	var n int64
+	err := q.QueryRow(ctx, sql, args...).Scan(&n)
+	return n, err
+}
+
+// waitUntil polls cond every 25 ms until it reports true, and fails t after timeout with the
+// last status cond returned.
+func waitUntil(t testing.TB, timeout time.Duration, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, status := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s; last status: %s", timeout, what, status)
+		}
+		time.Sleep(25 * time.Millisecond)
+	}
+}
+
+// ackGrace is how long tests wait after the last successful handler return before they stop a
+// consumer: the router acks after the handler chain returns, and the subscriber sends the ack
+// frame from its own goroutine, so stopping at once could nack (requeue) the last message.
+const ackGrace = 200 * time.Millisecond
+
+// ---------------------------------------------------------------------------------------------
+// RabbitMQ
+
+// amqpQueueConfig is watermill-amqp's durable queue config (default exchange, durable queue
+// named after the topic, persistent messages, prefetch 1, Nack requeues) with publisher
+// confirms, so Publish returns only once RabbitMQ holds the message. Queues expire after ten
+// idle minutes should a test process die before its cleanup deletes them.
+func amqpQueueConfig(url string) amqp.Config {
+	cfg := amqp.NewDurableQueueConfig(url)
+	cfg.Publish.ConfirmDelivery = true
+	cfg.Queue.Arguments = map[string]any{"x-expires": int32(10 * 60 * 1000)}
+	return cfg
+}
+
+// rabbitAdmin declares, inspects and deletes queues and publishes to them.
+type rabbitAdmin struct {
+	url  string
+	conn *amqp.ConnectionWrapper
+	pub  *amqp.Publisher
+}
+
+func newRabbitAdmin(t testing.TB) *rabbitAdmin {
+	t.Helper()
+	url := testenv.RequireAMQP(t)
+	conn, err := amqp.NewConnection(amqp.ConnectionConfig{AmqpURI: url}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatalf("connect to RabbitMQ: %v", err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	pub, err := amqp.NewPublisher(amqpQueueConfig(url), watermill.NopLogger{})
+	if err != nil {
+		t.Fatalf("amqp publisher: %v", err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	return &rabbitAdmin{url: url, conn: conn, pub: pub}
+}
+
+var nonName = regexp.MustCompile(`[^A-Za-z0-9]+`)
+
+// newQueue declares a durable queue with a name unique to this test run and deletes it when t
+// ends.
+func (r *rabbitAdmin) newQueue(t testing.TB) string {
+	t.Helper()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "inbox_it_" + strings.ToLower(nonName.ReplaceAllString(t.Name(), "_")) + "_" + hex.EncodeToString(b[:])
+	cfg := amqpQueueConfig(r.url)
+	ch, err := r.conn.Connection().Channel()
+	if err != nil {
+		t.Fatalf("open channel: %v", err)
+	}
+	defer ch.Close()
+	if _, err := ch.QueueDeclare(name, cfg.Queue.Durable, cfg.Queue.AutoDelete, cfg.Queue.Exclusive, false, cfg.Queue.Arguments); err != nil {
+		t.Fatalf("declare queue %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		ch, err := r.conn.Connection().Channel()
+		if err != nil {
+			t.Errorf("delete queue %s: %v", name, err)
+			return
+		}
+		defer ch.Close()
+		if _, err := ch.QueueDelete(name, false, false, false); err != nil {
+			t.Errorf("delete queue %s: %v", name, err)
+		}
+	})
+	return name
+}
+
+// queueState returns the number of messages ready for delivery (not counting delivered,
+// unacked ones) and the number of consumers of queue.
+func (r *rabbitAdmin) queueState(t testing.TB, queue string) (ready, consumers int) {
+	t.Helper()
+	ch, err := r.conn.Connection().Channel()
+	if err != nil {
+		t.Fatalf("open channel: %v", err)
+	}
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		t.Fatalf("inspect queue %s: %v", queue, err)
+	}
+	return q.Messages, q.Consumers
+}
+
+// publish sends msgs to queue and returns once RabbitMQ confirmed each one.
+func (r *rabbitAdmin) publish(t testing.TB, queue string, msgs ...*message.Message) {
+	t.Helper()
+	if err := r.pub.Publish(queue, msgs...); err != nil {
+		t.Fatalf("publish to %s: %v", queue, err)
+	}
+}
+
+// ---------------------------------------------------------------------------------------------
+// The consumer: router + inbox + pgstore + watermill-amqp.
+
+// consumerConfig configures startConsumer.
+type consumerConfig struct {
+	// Pool runs the inbox transactions and the autocommit observation writes; give it at least
+	// two connections per subscription.
+	Pool    *pgxpool.Pool
+	Schema  string
+	AMQPURL string
+	Queue   string
+	// Subscriptions is the number of competing AMQP consumers (channels) on Queue, each a
+	// router handler processing one delivery at a time. Default 1.
+	Subscriptions int
+	Logger        watermill.LoggerAdapter
+	// RecordDeliveries inserts a deliveries row per delivery, before the inbox runs.
+	RecordDeliveries bool
+	// RecordRuns inserts a handler_runs row each time the handler (inside the inbox) runs.
+	RecordRuns bool
+	// Outer are router-level middlewares added after the built-in ones and before the inbox,
+	// so they run outside it: after the inbox committed and before the router acks.
+	Outer []message.HandlerMiddleware
+	// AfterUpdate, when set, runs inside the handler after its UPDATE; its error is returned.
+	AfterUpdate func(msg *message.Message) error
+}
+
+// consumer is a running router.
+type consumer struct {
+	Router *message.Router
+	Inbox  *inbox.Inbox
+	// Succeeded counts handler-chain returns without error, i.e. deliveries the router acks.
+	Succeeded atomic.Int64
+	done      chan struct{}
+	runErr    error
+}
+
+// nackDelay pauses before a failed delivery is nacked, so a requeued message does not spin
+// while PostgreSQL is unavailable (RabbitMQ redelivers a requeued message at once).
+func nackDelay(d time.Duration) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err != nil {
+				time.Sleep(d)
+			}
+			return out, err
+		}
+	}
+}
+
+// bankHandler applies a payment on the inbox transaction.
+func bankHandler(cfg consumerConfig) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		ctx := msg.Context()
+		var p payment
+		if err := json.Unmarshal(msg.Payload, &p); err != nil {
+			return inbox.Permanent(fmt.Errorf("decode payment: %w", err))
+		}
+		tx, ok := pgstore.TxFromContext(ctx)
+		if !ok {
+			return errors.New("no inbox transaction in the message context")
+		}
+		if cfg.RecordRuns {
+			if _, err := cfg.Pool.Exec(ctx, "INSERT INTO handler_runs (message_id, pid) VALUES ($1, $2)", msg.UUID, os.Getpid()); err != nil {
+				return fmt.Errorf("record handler run: %w", err)
+			}
+		}
+		tag, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance + $1 WHERE id = $2", p.Amount, p.Account)
+		if err != nil {
+			return fmt.Errorf("update balance: %w", err)
+		}
+		if tag.RowsAffected() != 1 {
+			return inbox.Permanent(fmt.Errorf("account %d not found", p.Account))
+		}
+		if cfg.AfterUpdate != nil {
+			return cfg.AfterUpdate(msg)
+		}
+		return nil
+	}
+}
+
+// startConsumer builds and runs the consumer, waits until it subscribed, and closes it when t
+// ends. Middleware order, outermost first: success counter, nackDelay, delivery recorder,
+// cfg.Outer, the inbox, the bank handler.
+func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
+	t.Helper()
+	if cfg.Subscriptions == 0 {
+		cfg.Subscriptions = 1
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = watermill.NopLogger{}
+	}
+	store, err := pgstore.New(cfg.Pool, pgstore.Config{Schema: cfg.Schema})
+	if err != nil {
+		t.Fatalf("pgstore.New: %v", err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: bankConsumerName}, cfg.Logger)
+	if err != nil {
+		t.Fatalf("inbox.New: %v", err)
+	}
+	sub, err := amqp.NewSubscriber(amqpQueueConfig(cfg.AMQPURL), cfg.Logger)
+	if err != nil {
+		t.Fatalf("amqp subscriber: %v", err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, cfg.Logger)
+	if err != nil {
+		t.Fatalf("router: %v", err)
+	}
+	c := &consumer{Router: router, Inbox: ib, done: make(chan struct{})}
+
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil {
+				c.Succeeded.Add(1)
+			}
+			return out, err
+		}
+	}, nackDelay(25*time.Millisecond))
+	if cfg.RecordDeliveries {
+		router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				if _, err := cfg.Pool.Exec(msg.Context(), "INSERT INTO deliveries (message_id, redelivered, pid) VALUES ($1, $2, $3)",
+					msg.UUID, amqp.IsMessageRedelivered(msg), os.Getpid()); err != nil {
+					return nil, fmt.Errorf("record delivery: %w", err)
+				}
+				return h(msg)
+			}
+		})
+	}
+	router.AddMiddleware(cfg.Outer...)
+	for i := 0; i < cfg.Subscriptions; i++ {
+		h := router.AddConsumerHandler(fmt.Sprintf("bank-%d", i), cfg.Queue, sub, bankHandler(cfg))
+		h.AddMiddleware(ib.Middleware) // handler-level, added after the router-level ones: innermost
+	}
+
+	go func() {
+		defer close(c.done)
+		c.runErr = router.Run(context.Background())
+	}()
+	select {
+	case <-router.Running():
+	case <-c.done:
+		t.Fatalf("router stopped before running: %v", c.runErr)
+	case <-time.After(15 * time.Second):
+		t.Fatal("router did not start within 15s")
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// Close closes the router (in-flight deliveries finish first) and waits for Run to return.
+func (c *consumer) Close() error {
+	err := c.Router.Close()
+	select {
+	case <-c.done:
+	case <-time.After(20 * time.Second):
+		return errors.Join(err, errors.New("router Run did not return within 20s"))
+	}
+	return errors.Join(err, c.runErr)
+}
+
+// countingLogger counts the errors logged per inbox step (claim, handler, commit, other) and
+// keeps the first few, without printing.
+type countingLogger struct {
+	mu     sync.Mutex
+	errors int
+	steps  map[string]int
+	first  []string
+}
+
+func (l *countingLogger) Error(msg string, err error, _ watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errors++
+	if l.steps == nil {
+		l.steps = map[string]int{}
+	}
+	step := "other"
+	for _, s := range []string{"inbox: claim:", "inbox: commit:", "update balance:", "record "} {
+		if err != nil && strings.Contains(err.Error(), s) {
+			step = strings.TrimSuffix(s, ":")
+			break
+		}
+	}
+	l.steps[step]++
+	if len(l.first) < 3 {
+		l.first = append(l.first, fmt.Sprintf("%s: %v", msg, err))
+	}
+}
+func (l *countingLogger) Info(string, watermill.LogFields)                 {}
+func (l *countingLogger) Debug(string, watermill.LogFields)                {}
+func (l *countingLogger) Trace(string, watermill.LogFields)                {}
+func (l *countingLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *countingLogger) summary() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return fmt.Sprintf("%d errors logged, by step %v, first: %q", l.errors, l.steps, l.first)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child consumer process.
+
+// Environment of the child consumer (TestHelperConsumer).
+const (
+	envChild              = "INBOX_IT_CHILD"
+	envChildDSN           = "INBOX_IT_DSN"
+	envChildSchema        = "INBOX_IT_SCHEMA"
+	envChildAMQP          = "INBOX_IT_AMQP"
+	envChildQueue         = "INBOX_IT_QUEUE"
+	envCrashAfterCommit   = "INBOX_IT_CRASH_AFTER_COMMIT"
+	envCrashBeforeCommit  = "INBOX_IT_CRASH_BEFORE_COMMIT"
+	childMaxLifetime      = 60 * time.Second
+	childOutputLinePrefix = "child: "
+)
+
+// crashNow prints a CRASH line and SIGKILLs the current process: no deferred function, no
+// router ack, no transaction cleanup runs.
+func crashNow(where, id string) {
+	fmt.Printf("CRASH %s %s\n", where, id) // os.Stdout is unbuffered
+	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {} // never reached
+}
+
+// TestHelperConsumer is not a test: it is the consumer process that crash tests start (the
+// test binary re-executed with INBOX_IT_CHILD=1) and kill. Without INBOX_IT_CHILD it returns
+// at once. It consumes the queue until SIGTERM, then prints
+// "STATS processed=N duplicates=N failed=N" and exits 0. With INBOX_IT_CRASH_AFTER_COMMIT=<id>
+// an outer router middleware SIGKILLs the process once the inbox committed message <id>,
+// before the router acks; with INBOX_IT_CRASH_BEFORE_COMMIT=<id> the handler SIGKILLs it after
+// its UPDATE, before the inbox commits.
+func TestHelperConsumer(t *testing.T) {
+	if os.Getenv(envChild) != "1" {
+		return
+	}
+	pool := testenv.NewPool(t, os.Getenv(envChildDSN), 4)
+	cfg := consumerConfig{
+		Pool:             pool,
+		Schema:           os.Getenv(envChildSchema),
+		AMQPURL:          os.Getenv(envChildAMQP),
+		Queue:            os.Getenv(envChildQueue),
+		Logger:           watermill.NewStdLoggerWithOut(os.Stderr, false, false),
+		RecordDeliveries: true,
+		RecordRuns:       true,
+	}
+	if id := os.Getenv(envCrashAfterCommit); id != "" {
+		cfg.Outer = append(cfg.Outer, func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				out, err := h(msg)
+				if err == nil && msg.UUID == id {
+					crashNow("after-commit", id)
+				}
+				return out, err
+			}
+		})
+	}
+	if id := os.Getenv(envCrashBeforeCommit); id != "" {
+		cfg.AfterUpdate = func(msg *message.Message) error {
+			if msg.UUID == id {
+				crashNow("before-commit", id)
+			}
+			return nil
+		}
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	c := startConsumer(t, cfg)
+	fmt.Printf("READY %d\n", os.Getpid())
+
+	// Stop on SIGTERM; also when the parent test process died (we were re-parented) or after
+	// childMaxLifetime, so an orphan never outlives its test run for long.
+	ppid := os.Getppid()
+	tick := time.NewTicker(200 * time.Millisecond)
+	defer tick.Stop()
+	limit := time.After(childMaxLifetime)
+wait:
+	for {
+		select {
+		case <-ctx.Done():
+			break wait
+		case <-limit:
+			t.Errorf("child consumer ran longer than %s", childMaxLifetime)
+			break wait
+		case <-tick.C:
+			if os.Getppid() != ppid {
+				t.Errorf("parent process %d is gone", ppid)
+				break wait
+			}
+		}
+	}
+	if err := c.Close(); err != nil {
+		t.Errorf("close consumer: %v", err)
+	}
+	st := c.Inbox.Stats()
+	fmt.Printf("STATS processed=%d duplicates=%d failed=%d\n", st.Processed, st.Duplicates, st.Failed)
+}
+
+// childProc is a running child consumer.
+type childProc struct {
+	cmd  *exec.Cmd
+	out  *lineLog
+	done chan struct{}
+	err  error // cmd.Wait's result, once done is closed
+}
+
+// lineLog collects the child's output lines and logs them on t.
+type lineLog struct {
+	t       testing.TB
+	mu      sync.Mutex
+	partial []byte
+	lines   []string
+}
+
+func (l *lineLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.partial = append(l.partial, p...)
+	for {
+		i := strings.IndexByte(string(l.partial), '\n')
+		if i < 0 {
+			break
+		}
+		line := string(l.partial[:i])
+		l.partial = l.partial[i+1:]
+		l.lines = append(l.lines, line)
+		l.t.Log(childOutputLinePrefix + line)
+	}
+	return len(p), nil
+}
+
+// find returns the first line starting with prefix.
+func (l *lineLog) find(prefix string) (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if strings.HasPrefix(line, prefix) {
+			return line, true
+		}
+	}
+	return "", false
+}
+
+// startChild starts the test binary as a child consumer of queue on schema, with extra
+// environment entries ("KEY=value"), and waits for its READY line. The child is killed when t
+// ends if it still runs.
+func startChild(t testing.TB, schema *testenv.Schema, amqpURL, queue string, extraEnv ...string) *childProc {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperConsumer$", "-test.count=1", "-test.v=false",
+		fmt.Sprintf("-test.timeout=%s", childMaxLifetime+30*time.Second))
+	cmd.Env = append(os.Environ(),
+		envChild+"=1",
+		envChildDSN+"="+schema.URL,
+		envChildSchema+"="+schema.Name,
+		envChildAMQP+"="+amqpURL,
+		envChildQueue+"="+queue,
+	)
+	cmd.Env = append(cmd.Env, extraEnv...)
+	out := &lineLog{t: t}
+	cmd.Stdout = out
+	cmd.Stderr = out
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start child: %v", err)
+	}
+	c := &childProc{cmd: cmd, out: out, done: make(chan struct{})}
+	go func() {
+		c.err = cmd.Wait()
+		close(c.done)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-c.done:
+			return
+		default:
+		}
+		_ = cmd.Process.Kill() // this child only, by its pid
+		select {
+		case <-c.done:
+		case <-time.After(10 * time.Second):
+			t.Errorf("child %d did not exit after SIGKILL", cmd.Process.Pid)
+		}
+	})
+	c.waitLine(t, "READY ", 30*time.Second)
+	return c
+}
+
+// waitLine waits for an output line starting with prefix and returns it; it fails t when the
+// child exits or timeout passes first.
+func (c *childProc) waitLine(t testing.TB, prefix string, timeout time.Duration) string {
+	t.Helper()
+	deadline := time.After(timeout)
+	for {
+		if line, ok := c.out.find(prefix); ok {
+			return line
+		}
+		select {
+		case <-c.done:
+			if line, ok := c.out.find(prefix); ok {
+				return line
+			}
+			t.Fatalf("child %d exited (%v) before printing %q", c.cmd.Process.Pid, c.err, prefix)
+		case <-deadline:
+			t.Fatalf("child %d did not print %q within %s", c.cmd.Process.Pid, prefix, timeout)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// waitExit waits for the child to exit and returns cmd.Wait's error; it fails t after timeout.
+func (c *childProc) waitExit(t testing.TB, timeout time.Duration) error {
+	t.Helper()
+	select {
+	case <-c.done:
+		return c.err
+	case <-time.After(timeout):
+		t.Fatalf("child %d did not exit within %s", c.cmd.Process.Pid, timeout)
+		return nil
+	}
+}
+
+// stop sends SIGTERM, waits for a clean exit and returns the child's inbox stats.
+func (c *childProc) stop(t testing.TB) inbox.Stats {
+	t.Helper()
+	if err := c.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("SIGTERM child %d: %v", c.cmd.Process.Pid, err)
+	}
+	if err := c.waitExit(t, 30*time.Second); err != nil {
+		t.Fatalf("child %d did not exit cleanly: %v", c.cmd.Process.Pid, err)
+	}
+	line, ok := c.out.find("STATS ")
+	if !ok {
+		t.Fatalf("child %d printed no STATS line", c.cmd.Process.Pid)
+	}
+	var st inbox.Stats
+	if _, err := fmt.Sscanf(line, "STATS processed=%d duplicates=%d failed=%d", &st.Processed, &st.Duplicates, &st.Failed); err != nil {
+		t.Fatalf("parse %q: %v", line, err)
+	}
+	return st
+}
+
+// killedBySIGKILL reports whether a cmd.Wait error says the process died of SIGKILL.
+func killedBySIGKILL(err error) bool {
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) {
+		return false
+	}
+	ws, ok := ee.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
