@@ -2,14 +2,15 @@
 // SQL, the embedded migrations and the accessor that hands the inbox transaction to handlers.
 //
 //	pool, _ := pgxpool.New(ctx, "postgres://localhost/app")
-//	store, _ := pgstore.New(pool, pgstore.Config{})          // table public.inbox_processed_messages
+//	store, _ := pgstore.New(pool, pgstore.Config{}) // table public.inbox_processed_messages
 //	_, _ = store.Migrate(ctx)
 //	ib, _ := inbox.New(inbox.Config{Store: store, ConsumerName: "billing"}, logger)
-//	router.AddConsumerHandler("billing", "payments", sub, ib.Middleware(func(msg *message.Message) error {
+//	h := router.AddConsumerHandler("billing", "payments", sub, func(msg *message.Message) error {
 //		tx, _ := pgstore.TxFromContext(msg.Context())
 //		_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + $1 WHERE id = $2", 10, 1)
 //		return err
-//	}))
+//	})
+//	h.AddMiddleware(ib.Middleware)
 //
 // Each delivery holds one pool connection from claim to commit, so size the pool (pgxpool's
 // pool_max_conns) to at least the number of concurrent deliveries the subscriber runs.

@@ -1,0 +1,140 @@
+//go:build unix
+
+// Command billing is the watermill-inbox demo: an account-balance consumer that is killed on
+// purpose, twice, while payments are in flight, and still applies every payment exactly once.
+//
+//	go run ./examples/billing [-broker=postgres|amqp] [-messages=3000] [-accounts=50] [-dup-ratio=0.2]
+//
+// The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
+// inbox into it, creates an accounts table, publishes the payments (and re-sends a share of them
+// with the same message UUID), then runs the consumer as a child process (itself, re-executed with
+// -role=consumer) three times:
+//
+//  1. the consumer SIGKILLs itself right after the inbox committed its K-th message and before
+//     the router acked it (the crash the inbox pattern exists for);
+//  2. the orchestrator SIGKILLs the consumer mid-stream, while one delivery has claimed its
+//     message ID and waits inside its uncommitted transaction on a row lock the orchestrator
+//     holds on one account (see killMidStream: the moment is made certain, not timed);
+//  3. the consumer runs until every unique payment is in the inbox and the broker has nothing
+//     left, then is stopped with SIGTERM.
+//
+// The broker's own redelivery drives every retry. Finally the orchestrator checks that each
+// balance equals the sum of that account's unique payments and that the inbox holds one row per
+// unique message ID, prints a summary, and exits with status 0 and a last line "OK", or status 1
+// and "FAIL: <reason>".
+//
+// Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
+// and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/).
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"time"
+)
+
+const (
+	defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	defaultAMQPURL     = "amqp://guest:guest@127.0.0.1:5672/"
+
+	roleOrchestrator = "orchestrator"
+	roleConsumer     = "consumer"
+
+	brokerPostgres = "postgres"
+	brokerAMQP     = "amqp"
+)
+
+// options holds the command line of both roles.
+type options struct {
+	role string
+
+	broker        string
+	messages      int
+	accounts      int
+	dupRatio      float64
+	seed          uint64
+	timeout       time.Duration
+	amqpConsumers int
+	verbose       bool
+
+	// Consumer role only, set by the orchestrator.
+	schema     string
+	topic      string
+	crashAfter int
+	appName    string
+}
+
+func parseFlags(args []string) (options, error) {
+	var o options
+	fs := flag.NewFlagSet("billing", flag.ContinueOnError)
+	fs.StringVar(&o.role, "role", roleOrchestrator, "orchestrator (default) or consumer (internal: the orchestrator starts the consumer)")
+	fs.StringVar(&o.broker, "broker", brokerPostgres, "message broker: postgres (watermill-sql on the same database) or amqp (RabbitMQ at INBOX_AMQP_URL)")
+	fs.IntVar(&o.messages, "messages", 3000, "unique payment messages to publish (at least 20)")
+	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
+	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
+	fs.Uint64Var(&o.seed, "seed", 0, "random seed of the workload (0: derived from the clock; printed in the summary)")
+	fs.DurationVar(&o.timeout, "timeout", 120*time.Second, "overall deadline; the run reports FAIL when it passes")
+	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "concurrent AMQP subscriptions (channels) in the consumer, each with prefetch 16")
+	fs.BoolVar(&o.verbose, "v", false, "copy the consumers' logs (stderr) to stderr as they run")
+	fs.StringVar(&o.schema, "schema", "", "consumer role: PostgreSQL schema of this run")
+	fs.StringVar(&o.topic, "topic", "", "consumer role: topic to consume")
+	fs.IntVar(&o.crashAfter, "crash-after", 0, "consumer role: SIGKILL this process right after the inbox committed this many messages (0: never)")
+	fs.StringVar(&o.appName, "app-name", "billing-demo-consumer", "consumer role: PostgreSQL application_name of the consumer's connections")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	switch {
+	case o.role != roleOrchestrator && o.role != roleConsumer:
+		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
+	case o.broker != brokerPostgres && o.broker != brokerAMQP:
+		return o, fmt.Errorf("-broker=%q: want %s or %s", o.broker, brokerPostgres, brokerAMQP)
+	case o.messages < 20:
+		return o, errors.New("-messages must be at least 20")
+	case o.accounts < 1:
+		return o, errors.New("-accounts must be at least 1")
+	case o.dupRatio < 0 || o.dupRatio > 1:
+		return o, errors.New("-dup-ratio must be between 0 and 1")
+	case o.timeout <= 0:
+		return o, errors.New("-timeout must be positive")
+	case o.amqpConsumers < 1:
+		return o, errors.New("-amqp-consumers must be at least 1")
+	case o.role == roleConsumer && (o.schema == "" || o.topic == ""):
+		return o, errors.New("-role=consumer needs -schema and -topic")
+	}
+	return o, nil
+}
+
+func databaseURL() string {
+	if v := os.Getenv("INBOX_DATABASE_URL"); v != "" {
+		return v
+	}
+	return defaultDatabaseURL
+}
+
+func amqpURL() string {
+	if v := os.Getenv("INBOX_AMQP_URL"); v != "" {
+		return v
+	}
+	return defaultAMQPURL
+}
+
+func main() {
+	o, err := parseFlags(os.Args[1:])
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, "billing:", err)
+		fmt.Println("FAIL: " + err.Error())
+		os.Exit(2)
+	}
+	if o.role == roleConsumer {
+		os.Exit(runConsumer(o))
+	}
+	os.Exit(runOrchestrator(o))
+}

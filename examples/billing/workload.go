@@ -1,0 +1,71 @@
+//go:build unix
+
+package main
+
+import (
+	"encoding/json"
+	"math/rand/v2"
+	"sort"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+)
+
+// workload is what the orchestrator publishes and what it expects afterwards.
+type workload struct {
+	// ids are the unique message UUIDs, assigned once by the producer, in first-send order.
+	ids []string
+	// accountOf is the account of each unique payment, aligned with ids.
+	accountOf []int64
+	// deliveries are the messages in publish order: every unique payment once, plus
+	// duplicates (same UUID, same payload) re-sent at random later positions.
+	deliveries []*message.Message
+	duplicates int
+	// expected is the balance of each account: the sum of its unique payments, in cents.
+	expected map[int64]int64
+}
+
+func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64) (*workload, error) {
+	w := &workload{expected: make(map[int64]int64, accounts)}
+	for a := 1; a <= accounts; a++ {
+		w.expected[int64(a)] = 0
+	}
+	type sendAt struct {
+		pos float64
+		msg *message.Message
+	}
+	sends := make([]sendAt, 0, messages+int(float64(messages)*dupRatio)+1)
+	payloads := make([][]byte, messages)
+	for i := range messages {
+		p := payment{AccountID: 1 + int64(rng.IntN(accounts)), AmountCents: 1 + int64(rng.IntN(10_000))}
+		payload, err := json.Marshal(p)
+		if err != nil {
+			return nil, err
+		}
+		id := watermill.NewUUID()
+		w.ids = append(w.ids, id)
+		w.accountOf = append(w.accountOf, p.AccountID)
+		payloads[i] = payload
+		w.expected[p.AccountID] += p.AmountCents
+		sends = append(sends, sendAt{pos: float64(i), msg: newPaymentMessage(id, payload)})
+	}
+	// Re-send a share of distinct payments with the same UUID and payload, each somewhere after
+	// its first send, as a producer that timed out waiting for the broker's confirmation would.
+	w.duplicates = int(float64(messages)*dupRatio + 0.5)
+	for _, i := range rng.Perm(messages)[:w.duplicates] {
+		pos := float64(i) + 0.5 + rng.Float64()*float64(messages-i)
+		sends = append(sends, sendAt{pos: pos, msg: newPaymentMessage(w.ids[i], payloads[i])})
+	}
+	sort.SliceStable(sends, func(a, b int) bool { return sends[a].pos < sends[b].pos })
+	for _, s := range sends {
+		w.deliveries = append(w.deliveries, s.msg)
+	}
+	return w, nil
+}
+
+func newPaymentMessage(id string, payload []byte) *message.Message {
+	msg := message.NewMessage(id, payload)
+	msg.Metadata.Set(inbox.DefaultMessageTypeKey, messageType)
+	return msg
+}

@@ -1,0 +1,162 @@
+package tests
+
+// This file runs the demo, examples/billing (what `make demo` runs), end to end as a user would:
+// built into a binary, run against the machine's PostgreSQL and RabbitMQ, judged by its exit
+// status and its summary. The demo itself crashes its consumer twice and verifies the balances.
+//
+// These tests are deliberately not t.Parallel: pgrestart_test.go restarts the shared PostgreSQL
+// server and must not overlap with anything that uses it.
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime/debug"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+)
+
+// TestDemoBillingPostgres runs the demo with watermill-sql (PostgreSQL) as the broker.
+func TestDemoBillingPostgres(t *testing.T) {
+	out := demoRun(t, "postgres")
+	demoCheckSchemaDropped(t, out)
+}
+
+// TestDemoBillingAMQP runs the demo with RabbitMQ as the broker.
+func TestDemoBillingAMQP(t *testing.T) {
+	testenv.RequireAMQP(t)
+	out := demoRun(t, "amqp")
+	demoCheckSchemaDropped(t, out)
+	demoCheckQueueDeleted(t, out)
+}
+
+// demoRun builds and runs the demo with small numbers, fails t unless it exits 0 with the
+// expected summary, and returns its output.
+func demoRun(t *testing.T, broker string) string {
+	t.Helper()
+	// Fail (never skip) with testenv's hint when PostgreSQL is down.
+	testenv.NewPool(t, testenv.DatabaseURL(), 1)
+	bin := demoBuild(t)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin,
+		"-broker="+broker,
+		"-messages=400", "-accounts=20", "-dup-ratio=0.25",
+		"-timeout=100s")
+	cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+testenv.DatabaseURL(), "INBOX_AMQP_URL="+testenv.AMQPURL())
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	start := time.Now()
+	err := cmd.Run()
+	out := stdout.String()
+	t.Logf("demo -broker=%s took %s:\n%s", broker, time.Since(start).Round(time.Millisecond), out)
+	if stderr.Len() > 0 {
+		t.Logf("stderr:\n%s", stderr.String())
+	}
+	if err != nil {
+		t.Fatalf("demo -broker=%s: %v (want exit status 0)", broker, err)
+	}
+
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if last := lines[len(lines)-1]; last != "OK" {
+		t.Errorf("last line = %q, want OK", last)
+	}
+	for _, want := range []string{
+		`^billing demo: broker=` + broker + ` `,
+		`^published\s+500 deliveries: 400 unique payments over 20 accounts \+ 100 re-sent with the same UUID`,
+		`^consumer #1 SIGKILLed itself right after the inbox committed its 100th message, before the router acked it`,
+		`^consumer #2 SIGKILLed by the orchestrator mid-stream, with a delivery claimed but uncommitted .*; inbox rows \d+/400$`,
+		`^consumer #3 stopped with SIGTERM once the inbox was complete and the broker drained`,
+		`^inbox rows\s+400 = 400 unique message IDs`,
+		`^balances\s+verified: 20/20 accounts equal the sum of their unique payments`,
+		`^restarts\s+2 `,
+	} {
+		if !regexp.MustCompile(`(?m)` + want).MatchString(out) {
+			t.Errorf("output has no line matching %q", want)
+		}
+	}
+	return out
+}
+
+// demoBuild compiles examples/billing into t.TempDir(), with the race detector when this test
+// binary has it.
+func demoBuild(t *testing.T) string {
+	t.Helper()
+	root, err := filepath.Abs("..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "examples", "billing", "main.go")); err != nil {
+		t.Fatalf("examples/billing not found from %s: %v", root, err)
+	}
+	bin := filepath.Join(t.TempDir(), "billing")
+	args := []string{"build", "-o", bin}
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range bi.Settings {
+			if s.Key == "-race" && s.Value == "true" {
+				args = append(args, "-race")
+			}
+		}
+	}
+	args = append(args, "./examples/billing")
+	cmd := exec.Command("go", args...)
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return bin
+}
+
+var (
+	demoSchemaRE = regexp.MustCompile(`(?m)^billing demo: .*schema=(billing_demo_[0-9a-f]+) `)
+	demoTopicRE  = regexp.MustCompile(`(?m)^billing demo: .*topic=(\S+) `)
+)
+
+// demoCheckSchemaDropped checks that a successful run left no schema behind.
+func demoCheckSchemaDropped(t *testing.T, out string) {
+	t.Helper()
+	m := demoSchemaRE.FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("no schema name in the output")
+	}
+	pool := testenv.NewPool(t, testenv.DatabaseURL(), 1)
+	var exists bool
+	if err := pool.QueryRow(context.Background(), "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", m[1]).Scan(&exists); err != nil {
+		t.Fatal(err)
+	}
+	if exists {
+		t.Errorf("schema %s still exists after a successful run", m[1])
+	}
+}
+
+// demoCheckQueueDeleted checks that a successful AMQP run deleted its queue.
+func demoCheckQueueDeleted(t *testing.T, out string) {
+	t.Helper()
+	m := demoTopicRE.FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("no topic in the output")
+	}
+	conn, err := amqp.NewConnection(amqp.ConnectionConfig{AmqpURI: testenv.AMQPURL()}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Connection().Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	// A passive declare of a missing queue fails with 404 NOT_FOUND (and closes the channel).
+	if q, err := ch.QueueDeclarePassive(m[1], true, false, false, false, nil); err == nil {
+		t.Errorf("queue %s still exists after a successful run (%d messages)", q.Name, q.Messages)
+	}
+}
