@@ -9,12 +9,16 @@ import (
 // errors.Is(err, ErrInvalidKey).
 var ErrInvalidKey = errors.New("inbox: invalid message key")
 
-// ErrProducedMessages is returned (and the delivery nacked, nothing committed) when a handler
-// wrapped by the inbox returns messages for the router to publish. The router publishes them
+// ErrProducedMessages is returned (and nothing committed) when a handler wrapped by an inbox
+// without an Outbox returns messages for the router to publish. The router publishes them
 // after the inbox has committed, so a crash or a failed publish in between would lose them for
 // good: the redelivery is recognised as a duplicate and the handler does not run again.
-// Publish through a transactional outbox instead (see docs/design.md).
-var ErrProducedMessages = errors.New("inbox: handler returned messages to publish; the router would publish them after the inbox commit, where a crash loses them (use an outbox)")
+// Configure Config.Outbox (package outbox) so they are written in the inbox transaction.
+var ErrProducedMessages = errors.New("inbox: handler returned messages to publish, but no Outbox is configured; the router would publish them after the inbox commit, where a crash loses them")
+
+// ErrNoPublishTopic is returned when a handler returns messages but the router gave it no
+// publish topic (it was added with AddConsumerHandler, not AddHandler). It is permanent.
+var ErrNoPublishTopic = errors.New("inbox: handler returned messages but has no publish topic (add it with router.AddHandler)")
 
 // ErrBrokerSideKey is returned by MetadataKey when the named metadata field is a known
 // broker-side delivery identifier (a redelivered flag, a delivery counter, an offset, a receipt
@@ -82,5 +86,5 @@ func Permanent(err error) error {
 func IsPermanent(err error) bool {
 	var p permanentError
 	return errors.As(err, &p) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrProducedMessages) ||
-		errors.Is(err, ErrKeyCollision) || errors.Is(err, ErrAckedBeforeHandler)
+		errors.Is(err, ErrKeyCollision) || errors.Is(err, ErrAckedBeforeHandler) || errors.Is(err, ErrNoPublishTopic)
 }

@@ -120,6 +120,13 @@ type Config struct {
 	// StatementTimeout bounds every statement in the inbox transaction (PostgreSQL
 	// statement_timeout; SQLSTATE 57014). Zero keeps the server's setting.
 	StatementTimeout time.Duration
+
+	// Outbox, when set, receives the messages a handler returns (with router.AddHandler),
+	// inside the inbox transaction, for the handler's publish topic; the router then has
+	// nothing left to publish. A crash after the commit loses none of them, and a duplicate
+	// delivery produces none again. Without it, returned messages fail the delivery with
+	// ErrProducedMessages.
+	Outbox Outbox
 }
 
 func (c *Config) setDefaults() {
@@ -482,12 +489,13 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 		return r
 	}
 
-	msg.SetContext(tx.Context(ctx))
+	txCtx := tx.Context(ctx)
+	msg.SetContext(txCtx)
 	produced, herr := h(msg)
 	msg.SetContext(ctx)
 
 	if herr == nil && len(produced) > 0 {
-		herr = ErrProducedMessages
+		herr = i.storeProduced(txCtx, produced)
 	}
 	if herr != nil {
 		finished = true
@@ -503,6 +511,21 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 	}
 	i.processed.Add(1)
 	return r
+}
+
+// storeProduced writes a handler's output to the outbox in the inbox transaction.
+func (i *Inbox) storeProduced(txCtx context.Context, produced []*message.Message) error {
+	if i.cfg.Outbox == nil {
+		return ErrProducedMessages
+	}
+	topic := message.PublishTopicFromCtx(txCtx)
+	if topic == "" {
+		return ErrNoPublishTopic
+	}
+	if err := i.cfg.Outbox.Store(txCtx, topic, produced); err != nil {
+		return fmt.Errorf("inbox: storing %d produced messages in the outbox: %w", len(produced), err)
+	}
+	return nil
 }
 
 // collision applies OnKeyCollision to a duplicate whose payload hash differs.

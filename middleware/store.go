@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // Claim is one inbox row: the key a delivery claims, and optional metadata kept for debugging.
@@ -101,4 +103,14 @@ type Tx interface {
 	Commit(ctx context.Context) error
 	// Rollback discards the transaction. It returns nil when the transaction is already closed.
 	Rollback(ctx context.Context) error
+}
+
+// Outbox stores the messages a handler returns inside the inbox transaction, so they commit
+// or roll back with the claim and the business writes; a relay publishes them to the broker
+// after the commit (package outbox). Without an Outbox the inbox refuses handler output
+// (ErrProducedMessages).
+type Outbox interface {
+	// Store writes msgs, destined for topic, in the transaction that ctx carries (the inbox
+	// transaction, from Tx.Context). Their UUIDs and metadata must be kept.
+	Store(ctx context.Context, topic string, msgs []*message.Message) error
 }
