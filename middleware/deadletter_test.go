@@ -110,6 +110,7 @@ func TestPoisonMessageDeadLetteredAfterMaxAttempts(t *testing.T) {
 		return nil, nil
 	}
 	msg := paymentMsg("m-poison", 1, 500)
+	msg.Metadata.Set("_watermill_amqp_redelivered", "true")
 	// Each delivery runs in a new Inbox, as after a restart: the count lives in the database.
 	for attempt := 1; attempt <= 3; attempt++ {
 		ib := e.inbox("billing", withDeadLetters(dl, 3))
@@ -130,6 +131,9 @@ func TestPoisonMessageDeadLetteredAfterMaxAttempts(t *testing.T) {
 	}
 	if r := got.Metadata.Get(wmmiddleware.ReasonForPoisonedKey); !strings.Contains(r, "failed 3 of 3 attempts") || !strings.Contains(r, "ledger service") {
 		t.Fatalf("reason_poisoned = %q", r)
+	}
+	if _, ok := got.Metadata["_watermill_amqp_redelivered"]; ok {
+		t.Fatal("the dead letter kept the delivery's redelivered flag")
 	}
 	if got.Metadata.Get(inbox.DeadLetterAttemptsKey) != "3" || got.Metadata.Get(inbox.DeadLetterConsumerKey) != "billing" || got.Metadata.Get(inbox.DeadLetterMessageKeyKey) != msg.UUID {
 		t.Fatalf("dead letter metadata = %v", got.Metadata)

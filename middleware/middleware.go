@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -369,6 +370,13 @@ func (i *Inbox) recordFailure(msg *message.Message, claim Claim, cause error) {
 func (i *Inbox) deadLetter(msg *message.Message, claim Claim, attempt int, reason string, mark bool) error {
 	ctx := msg.Context()
 	dl := msg.Copy()
+	for k := range dl.Metadata {
+		// Delivery-specific fields (a redelivered flag, a delivery count) would describe the
+		// original delivery, and make a replayed message look redelivered.
+		if _, brokerSide := brokerSideMetadata[strings.ToLower(k)]; brokerSide {
+			delete(dl.Metadata, k)
+		}
+	}
 	dl.Metadata.Set(wmmiddleware.ReasonForPoisonedKey, reason)
 	dl.Metadata.Set(wmmiddleware.PoisonedTopicKey, message.SubscribeTopicFromCtx(ctx))
 	dl.Metadata.Set(wmmiddleware.PoisonedHandlerKey, message.HandlerNameFromCtx(ctx))
@@ -484,7 +492,7 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 		// Earlier attempts crashed before they could dead-letter the message.
 		finished = true
 		i.finish(ctx, tx.Rollback)
-		r.err = i.deadLetter(msg, claim, res.Attempt, fmt.Sprintf("exceeded %d attempts (earlier attempts crashed or were not settled)", i.cfg.MaxAttempts), true)
+		r.err = i.deadLetter(msg, claim, res.Attempt, fmt.Sprintf("exceeded %d attempts (earlier deliveries ended unsettled: the consumer crashed, or the dead letter could not be published)", i.cfg.MaxAttempts), true)
 		r.final = true
 		return r
 	}
