@@ -24,7 +24,9 @@ type bareTxKey struct{}
 
 // BenchmarkInboxVsBareTx measures messages per second through a Watermill router on GoChannel
 // with the inbox middleware, against the same handler in a bare transaction (BEGIN, the
-// handler's UPDATE, COMMIT; no claim), at 1, 8 and 32 concurrent deliveries. Both run in the
+// handler's UPDATE, COMMIT; no claim), at 1, 8 and 32 concurrent deliveries. ratio is
+// inbox/bare; ratio-attempts is the same for an inbox with a dead-letter topic, which also
+// counts every delivery durably. Both run in the
 // same benchmark iteration, interleaved, so their ratio is measured under the same machine
 // load. Each delivery is acked before its publisher sends the next message
 // (BlockPublishUntilSubscriberAck), so concurrency is exactly the number of delivery slots.
@@ -52,6 +54,12 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		b.Fatal(err)
 	}
 	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "bench"}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	// The same inbox with a dead-letter topic: every delivery is also counted durably.
+	dlq := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	counted, err := inbox.New(inbox.Config{Store: store, ConsumerName: "bench-counted", DeadLetterPublisher: dlq, DeadLetterTopic: "dead"}, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -96,6 +104,10 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			_, err := ib.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
 		})
+		router.AddConsumerHandler(fmt.Sprintf("counted-%d", i), fmt.Sprintf("counted-%d", i), pubsub, func(m *message.Message) error {
+			_, err := counted.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
+			return err
+		})
 	}
 	go func() { _ = router.Run(ctx) }()
 	<-router.Running()
@@ -125,9 +137,10 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	}
 	run("bare", 2*slots) // warm both paths: connections, prepared statements
 	run("inbox", 2*slots)
+	run("counted", 2*slots)
 
 	b.ResetTimer()
-	var bareT, inboxT time.Duration
+	var bareT, inboxT, countedT time.Duration
 	// Interleave in chunks so both modes see the same machine conditions.
 	const chunks = 4
 	for c := range chunks {
@@ -137,6 +150,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		}
 		bareT += run("bare", n)
 		inboxT += run("inbox", n)
+		countedT += run("counted", n)
 	}
 	b.StopTimer()
 	bareRate := float64(b.N) / bareT.Seconds()
@@ -144,6 +158,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	b.ReportMetric(bareRate, "bare-msg/s")
 	b.ReportMetric(inboxRate, "inbox-msg/s")
 	b.ReportMetric(inboxRate/bareRate, "ratio")
+	b.ReportMetric(float64(b.N)/countedT.Seconds()/bareRate, "ratio-attempts")
 	b.ReportMetric(0, "ns/op")
 	if got := ib.Stats().Processed; got < uint64(b.N) {
 		b.Fatalf("inbox processed %d of %d messages", got, b.N)

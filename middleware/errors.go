@@ -9,17 +9,32 @@ import (
 // errors.Is(err, ErrInvalidKey).
 var ErrInvalidKey = errors.New("inbox: invalid message key")
 
-// ErrProducedMessages is returned (and the delivery nacked, nothing committed) when a handler
-// wrapped by the inbox returns messages for the router to publish. The router publishes them
+// ErrProducedMessages is returned (and nothing committed) when a handler wrapped by an inbox
+// without an Outbox returns messages for the router to publish. The router publishes them
 // after the inbox has committed, so a crash or a failed publish in between would lose them for
 // good: the redelivery is recognised as a duplicate and the handler does not run again.
-// Publish through a transactional outbox instead (see docs/design.md).
-var ErrProducedMessages = errors.New("inbox: handler returned messages to publish; the router would publish them after the inbox commit, where a crash loses them (use an outbox)")
+// Configure Config.Outbox (package outbox) so they are written in the inbox transaction.
+var ErrProducedMessages = errors.New("inbox: handler returned messages to publish, but no Outbox is configured; the router would publish them after the inbox commit, where a crash loses them")
+
+// ErrNoPublishTopic is returned when a handler returns messages but the router gave it no
+// publish topic (it was added with AddConsumerHandler, not AddHandler). It is permanent.
+var ErrNoPublishTopic = errors.New("inbox: handler returned messages but has no publish topic (add it with router.AddHandler)")
 
 // ErrBrokerSideKey is returned by MetadataKey when the named metadata field is a known
 // broker-side delivery identifier (a redelivered flag, a delivery counter, an offset, a receipt
 // handle): such a value describes one delivery, not the message, and changes on redelivery.
 var ErrBrokerSideKey = errors.New("inbox: metadata field is a broker-side delivery identifier, not a producer message ID")
+
+// ErrKeyCollision reports a key collision: a delivery whose key was already claimed with a
+// different payload (the SHA-256 stored with the claim differs). Two producers minted the same
+// ID, or a producer reused one. It is permanent (see IsPermanent).
+var ErrKeyCollision = errors.New("inbox: key collision: the key was already processed with a different payload")
+
+// ErrAckedBeforeHandler is returned when a delivery reaches the inbox already acked, which
+// Watermill's InstantAck middleware (or a handler of its kind) does. An acked message is never
+// redelivered, so a crash before the commit would lose it: the inbox refuses to run the
+// handler under that setup. Remove InstantAck. It is permanent (see IsPermanent).
+var ErrAckedBeforeHandler = errors.New("inbox: message was acked before the inbox ran (InstantAck?); ack must follow the commit")
 
 // ErrInvalidConfig wraps every configuration error returned by New and by store constructors.
 var ErrInvalidConfig = errors.New("inbox: invalid configuration")
@@ -54,9 +69,10 @@ func (e permanentError) Unwrap() error { return e.err }
 // the same way (a malformed payload, a business rule that rejects it). IsPermanent reports true
 // for it and for any error that wraps it. Permanent(nil) returns nil.
 //
-// The inbox itself still nacks a permanent error (it never acks a message it did not process);
-// route permanent errors to a dead-letter topic with Watermill's
-// middleware.PoisonQueueWithFilter(pub, topic, IsPermanent) added outside the inbox.
+// With a dead-letter topic configured (Config.DeadLetterPublisher), the inbox publishes a
+// message whose handler returned a permanent error to it at once, without further attempts,
+// and acks the original. Without one, the inbox returns the error (the router nacks); route it
+// with Watermill's middleware.PoisonQueueWithFilter(pub, topic, IsPermanent) outside the inbox.
 func Permanent(err error) error {
 	if err == nil {
 		return nil
@@ -65,8 +81,10 @@ func Permanent(err error) error {
 }
 
 // IsPermanent reports whether err is, or wraps, an error marked with Permanent, an
-// *InvalidKeyError, or ErrProducedMessages: errors that redelivery cannot fix.
+// *InvalidKeyError, ErrProducedMessages, ErrKeyCollision or ErrAckedBeforeHandler: errors that
+// redelivery cannot fix.
 func IsPermanent(err error) bool {
 	var p permanentError
-	return errors.As(err, &p) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrProducedMessages)
+	return errors.As(err, &p) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrProducedMessages) ||
+		errors.Is(err, ErrKeyCollision) || errors.Is(err, ErrAckedBeforeHandler) || errors.Is(err, ErrNoPublishTopic)
 }

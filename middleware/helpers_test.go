@@ -39,7 +39,13 @@ func newEnv(t *testing.T, conns int32) *env {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		// Every delivery must give its connection back, whatever happened to it.
+		// Every delivery must give its connection back, whatever happened to it. A broken
+		// connection counts as acquired until pgxpool has finished closing it, in the
+		// background, so allow it a few seconds.
+		deadline := time.Now().Add(5 * time.Second)
+		for sch.Pool.Stat().AcquiredConns() != 0 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
 		if n := sch.Pool.Stat().AcquiredConns(); n != 0 {
 			t.Errorf("%d pool connections still acquired at the end of the test", n)
 		}
@@ -146,7 +152,7 @@ func newBarrierStore(s inbox.Store, n int) *barrierStore {
 	return b
 }
 
-func (b *barrierStore) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, bool, error) {
+func (b *barrierStore) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, inbox.ClaimResult, error) {
 	b.arrived <- struct{}{}
 	<-b.release
 	return b.Store.BeginClaim(ctx, opts, c)

@@ -32,8 +32,10 @@ type Migration struct {
 }
 
 type migrationNames struct {
-	Table           string
-	ReceivedAtIndex string
+	Table             string
+	ReceivedAtIndex   string
+	Attempts          string
+	AttemptsDeadIndex string
 }
 
 // Migrations returns the store's migrations in version order, rendered for its schema and
@@ -44,8 +46,10 @@ func (s *Store) Migrations() ([]Migration, error) {
 		return nil, err
 	}
 	names := migrationNames{
-		Table:           s.table,
-		ReceivedAtIndex: pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
+		Table:             s.table,
+		ReceivedAtIndex:   pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
+		Attempts:          s.attempts,
+		AttemptsDeadIndex: pgx.Identifier{s.cfg.Table + "_dead_idx"}.Sanitize(),
 	}
 	var out []Migration
 	for _, e := range entries {

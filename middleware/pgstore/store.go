@@ -22,6 +22,9 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strconv"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -63,7 +66,12 @@ type Store struct {
 	cfg      Config
 	table    string // quoted "schema"."table"
 	versions string // quoted "schema".watermill_inbox_migrations
+	attempts string // quoted "schema"."<table>_attempts"
 	claimSQL string
+	// attemptSQL counts one attempt and returns (attempts, dead-lettered).
+	attemptSQL string
+	// clearAttemptsSQL deletes a key's attempt record unless it is dead-lettered.
+	clearAttemptsSQL string
 }
 
 var _ inbox.Store = (*Store)(nil)
@@ -98,13 +106,20 @@ func newNames(cfg Config) (*Store, error) {
 		return nil, fmt.Errorf("%w: pgstore: table name %q: want letters, digits and underscores, not starting with a digit, at most 47 bytes", inbox.ErrInvalidConfig, cfg.Table)
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
+	attempts := pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize()
 	return &Store{
 		cfg:      cfg,
 		table:    table,
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
+		attempts: attempts,
 		claimSQL: "INSERT INTO " + table +
 			" (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
 			" VALUES ($1, $2, $3, $4, $5) ON CONFLICT (message_id, consumer_name) DO NOTHING",
+		attemptSQL: "INSERT INTO " + attempts + " AS a (message_id, consumer_name) VALUES ($1, $2)" +
+			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
+			" RETURNING a.attempts, a.dead_lettered_at IS NOT NULL",
+		clearAttemptsSQL: "DELETE FROM " + attempts +
+			" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL",
 	}, nil
 }
 
@@ -126,42 +141,132 @@ func isoLevel(l sql.IsolationLevel) (pgx.TxIsoLevel, error) {
 	return "", fmt.Errorf("%w: pgstore: isolation level %s is not supported", inbox.ErrInvalidConfig, l)
 }
 
-// BeginClaim implements inbox.Store. It sends BEGIN and INSERT ... ON CONFLICT
-// (message_id, consumer_name) DO NOTHING to PostgreSQL in one pipelined round trip (pgx's
-// Batch.BeginTx); zero rows inserted means a duplicate. ON CONFLICT DO NOTHING never raises
-// 23505, so a duplicate leaves the transaction usable. A concurrent claim of the same key
-// waits on the first transaction's uncommitted row. The transaction holds one pool connection
-// until Commit or Rollback. Errors are pgx's, wrapped with the failing step; on error the
-// transaction is rolled back and the connection released.
-func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, bool, error) {
+// BeginClaim implements inbox.Store. Everything before the handler travels in one pipelined
+// round trip (pgx's Batch.BeginTx):
+//
+//   - with CountAttempt: BEGIN; SET LOCAL synchronous_commit TO OFF; the attempt upsert
+//     (INSERT ... ON CONFLICT DO UPDATE SET attempts = attempts + 1 RETURNING ...); COMMIT;
+//   - BEGIN ISOLATION LEVEL ...; lock_timeout and statement_timeout (set_config, local);
+//   - INSERT ... ON CONFLICT (message_id, consumer_name) DO NOTHING: zero rows means a
+//     duplicate. ON CONFLICT DO NOTHING never raises 23505, so a duplicate leaves the
+//     transaction usable, and a concurrent claim of the same key waits on the first
+//     transaction's uncommitted row;
+//   - with CountAttempt: DELETE of the attempt record, which commits with a successful
+//     delivery and is undone by a rollback.
+//
+// The attempt transaction commits asynchronously (synchronous_commit off): it survives any
+// crash of the consumer and any rollback, and only a crash of the PostgreSQL server itself
+// within wal_writer_delay (200 ms by default) can lose the latest increments, which costs a
+// poison message at most one extra attempt. A duplicate costs one more round trip, to read
+// the stored payload hash. The transaction holds one pool connection until Commit or
+// Rollback. Errors are pgx's, wrapped with the failing step; on error the transaction is
+// rolled back and the connection released.
+func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, inbox.ClaimResult, error) {
+	var res inbox.ClaimResult
 	lvl, err := isoLevel(opts.Isolation)
 	if err != nil {
-		return nil, false, err
+		return nil, res, err
 	}
 	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
-	b.Queue(s.claimSQL, c.MessageID, c.ConsumerName, nullIfEmpty(c.MessageType), nullIfEmpty(c.CorrelationID), c.PayloadHash)
+	if opts.CountAttempt {
+		// The batch's transaction (the one pgx hands back) is the second BEGIN below; the
+		// first is the attempt's own, committed inside the same pipeline.
+		b.BeginTx(pgx.TxOptions{})
+		b.Queue("set local synchronous_commit to off")
+		b.Queue(s.attemptSQL, c.MessageID, c.ConsumerName).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&res.Attempt, &res.DeadLettered)
+		})
+		b.Queue("commit")
+		b.Queue("begin isolation level " + strings.ToLower(string(lvl)))
+	} else {
+		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
+	}
+	if opts.LockTimeout > 0 {
+		b.Queue("select set_config('lock_timeout', $1, true)", strconv.FormatInt(opts.LockTimeout.Milliseconds(), 10))
+	}
+	if opts.StatementTimeout > 0 {
+		b.Queue("select set_config('statement_timeout', $1, true)", strconv.FormatInt(opts.StatementTimeout.Milliseconds(), 10))
+	}
+	var tag pgconn.CommandTag
+	b.Queue(s.claimSQL, c.MessageID, c.ConsumerName, nullIfEmpty(c.MessageType), nullIfEmpty(c.CorrelationID), c.PayloadHash).
+		Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
+	if opts.CountAttempt {
+		b.Queue(s.clearAttemptsSQL, c.MessageID, c.ConsumerName)
+	}
 	br := s.pool.SendBatch(ctx, b)
 	tx := br.Tx()
-	_, beginErr := br.Exec()
-	tag, claimErr := br.Exec()
-	closeErr := br.Close()
-	switch {
-	case beginErr != nil:
-		err = fmt.Errorf("begin: %w", beginErr)
-	case claimErr != nil:
-		err = fmt.Errorf("insert claim: %w", claimErr)
-	case closeErr != nil:
-		err = fmt.Errorf("claim: %w", closeErr)
+	if err := br.Close(); err != nil {
+		rollbackDetached(ctx, tx)
+		return nil, inbox.ClaimResult{}, fmt.Errorf("claim: %w", err)
 	}
+	res.Claimed = tag.RowsAffected() == 1
+	if !res.Claimed {
+		err := tx.QueryRow(ctx, "SELECT payload_hash FROM "+s.table+" WHERE message_id = $1 AND consumer_name = $2",
+			c.MessageID, c.ConsumerName).Scan(&res.StoredPayloadHash)
+		if err != nil {
+			rollbackDetached(ctx, tx)
+			return nil, inbox.ClaimResult{}, fmt.Errorf("read stored payload hash: %w", err)
+		}
+	}
+	return &claimTx{tx: tx}, res, nil
+}
+
+// rollbackDetached rolls tx back (releasing its connection; pgxpool destroys it if it is not
+// idle afterwards) even when ctx is already cancelled.
+func rollbackDetached(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), inbox.DefaultFinishTimeout)
+	defer cancel()
+	_ = tx.Rollback(rctx)
+}
+
+// maxErrorBytes bounds the last_error column, in bytes.
+const maxErrorBytes = 1024
+
+// RecordFailure implements inbox.Store: it stores errText, truncated to 1,024 bytes on a UTF-8
+// boundary, as the key's last error.
+func (s *Store) RecordFailure(ctx context.Context, messageID, consumerName, errText string) error {
+	_, err := s.pool.Exec(ctx, "UPDATE "+s.attempts+" SET last_error = $3 WHERE message_id = $1 AND consumer_name = $2",
+		messageID, consumerName, truncateUTF8(errText, maxErrorBytes))
 	if err != nil {
-		// Releases the connection; pgxpool destroys it if it is not back to idle.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), inbox.DefaultFinishTimeout)
-		_ = tx.Rollback(rctx)
-		cancel()
-		return nil, false, err
+		return fmt.Errorf("record failure: %w", err)
 	}
-	return &claimTx{tx: tx}, tag.RowsAffected() == 1, nil
+	return nil
+}
+
+// MarkDeadLettered implements inbox.Store. It creates the attempt record when it does not
+// exist (a message dead-lettered on its first delivery).
+func (s *Store) MarkDeadLettered(ctx context.Context, messageID, consumerName, reason string) error {
+	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, dead_lettered_at, dead_letter_reason)"+
+		" VALUES ($1, $2, now(), $3) ON CONFLICT (message_id, consumer_name) DO UPDATE"+
+		" SET dead_lettered_at = now(), dead_letter_reason = EXCLUDED.dead_letter_reason",
+		messageID, consumerName, truncateUTF8(reason, maxErrorBytes))
+	if err != nil {
+		return fmt.Errorf("mark dead-lettered: %w", err)
+	}
+	return nil
+}
+
+// Replay implements inbox.Store: it deletes the key's dead-lettered attempt record.
+func (s *Store) Replay(ctx context.Context, messageID, consumerName string) (bool, error) {
+	tag, err := s.pool.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NOT NULL",
+		messageID, consumerName)
+	if err != nil {
+		return false, fmt.Errorf("replay: %w", err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// truncateUTF8 cuts s to at most n bytes without splitting a UTF-8 sequence, and replaces
+// invalid UTF-8 and NUL, which PostgreSQL text cannot hold.
+func truncateUTF8(s string, n int) string {
+	s = strings.ToValidUTF8(strings.ReplaceAll(s, "\x00", ""), "\uFFFD")
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
 }
 
 // Retryable implements inbox.Store: SQLSTATE 40001 and 40P01.

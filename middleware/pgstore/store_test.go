@@ -148,7 +148,7 @@ func TestClaimStoresMetadata(t *testing.T) {
 	tx, claimed, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{
 		MessageID: "m-meta", ConsumerName: "billing", MessageType: "PaymentReceived", CorrelationID: "corr-9", PayloadHash: hash,
 	})
-	if err != nil || !claimed {
+	if err != nil || !claimed.Claimed {
 		t.Fatalf("claim: claimed=%v err=%v", claimed, err)
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -45,6 +45,13 @@ func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 		{"RepeatableReadConflictIsRetryable", testRepeatableReadConflictIsRetryable},
 		{"CancelledContextLeavesNothingOpen", testCancelledContextLeavesNothingOpen},
 		{"RetryableRejectsOrdinaryErrors", testRetryableRejectsOrdinaryErrors},
+		{"DuplicateReportsStoredPayloadHash", testDuplicateReportsStoredPayloadHash},
+		{"AttemptsSurviveRollbacks", testAttemptsSurviveRollbacks},
+		{"CommitClearsAttempts", testCommitClearsAttempts},
+		{"DeadLetteredUntilReplay", testDeadLetteredUntilReplay},
+		{"RecordFailureAcceptsAnyText", testRecordFailureAcceptsAnyText},
+		{"ConcurrentCountedClaims", testConcurrentCountedClaims},
+		{"LockTimeoutEndsTheWait", testLockTimeoutEndsTheWait},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, newStore(t)) })
@@ -66,12 +73,18 @@ func ctxT(t *testing.T) context.Context {
 // mustClaim claims c in a new transaction and returns it with the claim result.
 func mustClaim(t *testing.T, s inbox.Store, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, bool) {
 	t.Helper()
-	tx, claimed, err := s.BeginClaim(ctxT(t), opts, c)
+	tx, res := mustClaimResult(t, s, opts, c)
+	return tx, res.Claimed
+}
+
+func mustClaimResult(t *testing.T, s inbox.Store, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, inbox.ClaimResult) {
+	t.Helper()
+	tx, res, err := s.BeginClaim(ctxT(t), opts, c)
 	if err != nil {
 		t.Fatalf("BeginClaim(%q, %q): %v", c.MessageID, c.ConsumerName, err)
 	}
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
-	return tx, claimed
+	return tx, res
 }
 
 // committedClaim claims and commits c, returning whether the claim was new.
@@ -145,7 +158,7 @@ func testConsumerNamesAreIndependent(t *testing.T, s inbox.Store) {
 		if err := tx.Commit(context.Background()); err != nil {
 			t.Errorf("commit for second consumer: %v", err)
 		}
-		done <- ok
+		done <- ok.Claimed
 	}()
 	select {
 	case okB := <-done:
@@ -173,8 +186,8 @@ type claimResult struct {
 func claimInBackground(t *testing.T, s inbox.Store, opts inbox.TxOptions, c inbox.Claim) <-chan claimResult {
 	ch := make(chan claimResult, 1)
 	go func() {
-		tx, ok, err := s.BeginClaim(ctxT(t), opts, c)
-		ch <- claimResult{tx, ok, err}
+		tx, res, err := s.BeginClaim(ctxT(t), opts, c)
+		ch <- claimResult{tx, res.Claimed, err}
 	}()
 	return ch
 }
@@ -308,5 +321,176 @@ func testRetryableRejectsOrdinaryErrors(t *testing.T, s inbox.Store) {
 		if s.Retryable(err) {
 			t.Errorf("Retryable(%v) = true, want false", err)
 		}
+	}
+}
+
+var counted = inbox.TxOptions{Isolation: sql.LevelReadCommitted, CountAttempt: true}
+
+func testDuplicateReportsStoredPayloadHash(t *testing.T, s inbox.Store) {
+	c := claim("m-hash")
+	c.PayloadHash = []byte("0123456789abcdef0123456789abcdef")
+	committedClaim(t, s, c)
+	other := claim("m-hash")
+	other.PayloadHash = []byte("ffffffffffffffffffffffffffffffff")
+	tx, res := mustClaimResult(t, s, rc, other)
+	if res.Claimed || string(res.StoredPayloadHash) != string(c.PayloadHash) {
+		t.Fatalf("duplicate: claimed=%v stored hash=%x, want the first claim's hash %x", res.Claimed, res.StoredPayloadHash, c.PayloadHash)
+	}
+	_ = tx.Rollback(ctxT(t))
+	tx, res = mustClaimResult(t, s, rc, claim("m-new-hash"))
+	if !res.Claimed || res.StoredPayloadHash != nil {
+		t.Fatalf("new claim: %+v, want claimed without a stored hash", res)
+	}
+	_ = tx.Rollback(ctxT(t))
+}
+
+func testAttemptsSurviveRollbacks(t *testing.T, s inbox.Store) {
+	for want := 1; want <= 3; want++ {
+		tx, res := mustClaimResult(t, s, counted, claim("m-poison"))
+		if !res.Claimed || res.Attempt != want || res.DeadLettered {
+			t.Fatalf("delivery %d: %+v, want claimed, attempt %d (the count must survive the rollback)", want, res, want)
+		}
+		if err := tx.Rollback(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// An uncounted claim (an in-process retry) does not count.
+	tx, res := mustClaimResult(t, s, rc, claim("m-poison"))
+	if res.Attempt != 0 {
+		t.Fatalf("uncounted claim reported attempt %d", res.Attempt)
+	}
+	_ = tx.Rollback(ctxT(t))
+	tx, res = mustClaimResult(t, s, counted, claim("m-poison"))
+	if res.Attempt != 4 {
+		t.Fatalf("attempt = %d, want 4", res.Attempt)
+	}
+	_ = tx.Rollback(ctxT(t))
+}
+
+func testCommitClearsAttempts(t *testing.T, s inbox.Store) {
+	for range 2 {
+		tx, _ := mustClaimResult(t, s, counted, claim("m-ok"))
+		_ = tx.Rollback(ctxT(t))
+	}
+	tx, res := mustClaimResult(t, s, counted, claim("m-ok"))
+	if res.Attempt != 3 {
+		t.Fatalf("attempt = %d, want 3", res.Attempt)
+	}
+	if err := tx.Commit(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	// A later duplicate starts a fresh count, and committing the duplicate's transaction
+	// clears it again: a processed message leaves no attempt record behind.
+	for range 2 {
+		tx, res = mustClaimResult(t, s, counted, claim("m-ok"))
+		if res.Claimed || res.Attempt != 1 {
+			t.Fatalf("duplicate after success: %+v, want a duplicate at attempt 1", res)
+		}
+		if err := tx.Commit(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func testDeadLetteredUntilReplay(t *testing.T, s inbox.Store) {
+	ctx := ctxT(t)
+	tx, _ := mustClaimResult(t, s, counted, claim("m-dead"))
+	_ = tx.Rollback(ctx)
+	if replayed, err := s.Replay(ctx, "m-dead", "conformance"); err != nil || replayed {
+		t.Fatalf("Replay of a key that is not dead-lettered = %v, %v; want false", replayed, err)
+	}
+	if err := s.MarkDeadLettered(ctx, "m-dead", "conformance", "failed 1 of 1 attempts"); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		tx, res := mustClaimResult(t, s, counted, claim("m-dead"))
+		if !res.DeadLettered {
+			t.Fatalf("after MarkDeadLettered: %+v, want DeadLettered", res)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	other := claim("m-dead")
+	other.ConsumerName = "other-consumer"
+	tx, res := mustClaimResult(t, s, counted, other)
+	if res.DeadLettered || res.Attempt != 1 {
+		t.Fatalf("another consumer of the same message: %+v, want a fresh attempt 1", res)
+	}
+	_ = tx.Rollback(ctx)
+	if replayed, err := s.Replay(ctx, "m-dead", "conformance"); err != nil || !replayed {
+		t.Fatalf("Replay = %v, %v; want true", replayed, err)
+	}
+	tx, res = mustClaimResult(t, s, counted, claim("m-dead"))
+	if res.DeadLettered || res.Attempt != 1 || !res.Claimed {
+		t.Fatalf("after Replay: %+v, want a fresh claim at attempt 1", res)
+	}
+	_ = tx.Rollback(ctx)
+	// A message dead-lettered on its first delivery, before any attempt was counted.
+	if err := s.MarkDeadLettered(ctx, "m-never-counted", "conformance", "permanent"); err != nil {
+		t.Fatal(err)
+	}
+	tx, res = mustClaimResult(t, s, counted, claim("m-never-counted"))
+	if !res.DeadLettered {
+		t.Fatalf("dead-lettered without attempts: %+v", res)
+	}
+	_ = tx.Rollback(ctx)
+}
+
+func testRecordFailureAcceptsAnyText(t *testing.T, s inbox.Store) {
+	tx, _ := mustClaimResult(t, s, counted, claim("m-err"))
+	_ = tx.Rollback(ctxT(t))
+	long := make([]byte, 100000)
+	for i := range long {
+		long[i] = 'e'
+	}
+	for _, text := range []string{"boom", string(long), "bad \xff utf8 \x00 nul", "é" + string(long)} {
+		if err := s.RecordFailure(ctxT(t), "m-err", "conformance", text); err != nil {
+			t.Fatalf("RecordFailure(%d bytes): %v", len(text), err)
+		}
+	}
+	// Recording a failure for a key without an attempt record is a no-op, not an error.
+	if err := s.RecordFailure(ctxT(t), "m-unknown", "conformance", "boom"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func testConcurrentCountedClaims(t *testing.T, s inbox.Store) {
+	first, res := mustClaimResult(t, s, counted, claim("m-race-counted"))
+	if !res.Claimed || res.Attempt != 1 {
+		t.Fatalf("first: %+v", res)
+	}
+	second := claimInBackground(t, s, counted, claim("m-race-counted"))
+	expectBlocked(t, second)
+	if err := first.Commit(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	r := expectResult(t, second)
+	if r.err != nil || r.claimed {
+		t.Fatalf("second: claimed=%v err=%v, want a duplicate", r.claimed, r.err)
+	}
+	if err := r.tx.Commit(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func testLockTimeoutEndsTheWait(t *testing.T, s inbox.Store) {
+	first, ok := mustClaim(t, s, rc, claim("m-slow"))
+	if !ok {
+		t.Fatal("first claim refused")
+	}
+	defer first.Rollback(context.Background())
+	opts := inbox.TxOptions{LockTimeout: 150 * time.Millisecond}
+	start := time.Now()
+	tx, _, err := s.BeginClaim(ctxT(t), opts, claim("m-slow"))
+	if err == nil {
+		_ = tx.Rollback(context.Background())
+		t.Fatal("a claim behind an uncommitted claim did not time out")
+	}
+	if waited := time.Since(start); waited > 5*time.Second {
+		t.Fatalf("the lock wait took %v with a 150ms lock timeout", waited)
+	}
+	if s.Retryable(err) {
+		t.Fatalf("lock timeout reported as Retryable (in-process retry would hold the connection again): %v", err)
 	}
 }

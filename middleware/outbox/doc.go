@@ -1,0 +1,81 @@
+// Package outbox is the transactional outbox for the messages an inbox-wrapped handler
+// returns, built from Watermill's own components: a watermill-sql v4 Publisher on the inbox's
+// pgx transaction, decorated by components/forwarder's Publisher, writes them; a
+// components/forwarder Forwarder reading the outbox with a watermill-sql Subscriber publishes
+// them to the broker after the commit.
+//
+//	cfg := outbox.Config{}                                       // topic "inbox_outbox"
+//	if err := outbox.InitializeSchema(ctx, pool, cfg); err != nil { ... }
+//	ob, _ := outbox.New(cfg, logger)
+//	ib, _ := inbox.New(inbox.Config{Store: store, ConsumerName: "billing", Outbox: ob}, logger)
+//
+//	h := router.AddHandler("billing", "payments", sub, "billing.events", pub,
+//		func(msg *message.Message) ([]*message.Message, error) {
+//			tx, _ := pgstore.TxFromContext(msg.Context())
+//			// ... business writes on tx ...
+//			return []*message.Message{event}, nil // stored in the outbox, in tx
+//		})
+//	h.AddMiddleware(ib.Middleware)
+//
+//	relay, _ := outbox.NewRelay(outbox.RelayConfig{Config: cfg, Pool: pool, Publisher: amqpPub}, logger)
+//	go relay.Run(ctx)
+//
+// # Writing
+//
+// The inbox calls Outbox.Store inside its transaction with the handler's publish topic (the
+// topic given to router.AddHandler) and the returned messages; the router gets no messages to
+// publish. Each message is wrapped in forwarder's JSON envelope {destination_topic, uuid,
+// payload, metadata} and inserted as one row of the outbox topic's table. The rows commit with
+// the claim and the business writes, or roll back with them: a failed attempt leaves none,
+// and a duplicate delivery, which skips the handler, produces none again.
+//
+// # Relaying, and its guarantee
+//
+// The Relay is forwarder's router handler on a watermill-sql Subscriber. Per poll the
+// subscriber opens a REPEATABLE READ transaction, locks its consumer group's offset row
+// (SELECT ... FOR UPDATE), reads up to BatchSize rows in commit order, hands them to the
+// forwarder one at a time, which publishes each to its destination topic and acks it, then
+// stores the last acked offset and commits.
+//
+// Delivery to the broker is at least once. A crash, a lost connection, an expired
+// AckDeadline or Close between a publish and that commit leaves the offset where it was: the
+// next poll, by this relay or another, publishes the same messages again, with the same
+// UUIDs, payloads and metadata. Consume them with an inbox (keyed on the message UUID, the
+// default) and each is applied once. Nothing is lost: a row is skipped only once its offset
+// is committed, and a publish that failed is retried (ResendInterval) before any later row,
+// so one undeliverable message stops its consumer group (head-of-line), on purpose.
+//
+// # What the subscriber's REPEATABLE READ transaction means here
+//
+//   - The forwarder writes nothing to PostgreSQL, so watermill-sql's known problem of nacked
+//     attempts whose writes stay in the subscriber's transaction (ThreeDotsLabs/watermill-sql
+//     #224) does not affect the relay. It would affect a RelayConfig.Middlewares function that
+//     wrote through sql.TxFromContext: do not.
+//   - Rows become visible to the relay only when their transaction_id is below the oldest
+//     transaction still running (pg_snapshot_xmin), which is how watermill-sql keeps commit
+//     order without skipping rows. Any long transaction in the database, such as a slow
+//     handler's inbox transaction or an idle-in-transaction session, therefore delays the
+//     relay until it ends. It delays; it does not lose.
+//   - The relay keeps its transaction, the offset row lock and a snapshot open while it
+//     publishes a batch (AckDeadline per message), so keep publishes quick and batches small
+//     enough. Relays of the same ConsumerGroup serialise on the offset row: a second relay is
+//     a hot standby, not extra throughput. When one commits an offset while another waits for
+//     the lock, the waiter's poll fails under REPEATABLE READ with SQLSTATE 40001 ("could not
+//     serialize access due to concurrent update"). watermill-sql v4.1.2 never sees that error
+//     (its Rows interface has no Err), so the poll just looks empty and the waiter polls again
+//     after PollInterval: no duplicate, no loss. The relay logs such swallowed errors itself:
+//     40001 at debug level, any other at error level.
+//   - On Close the router cancels the subscription context, which is also the context of the
+//     subscriber's transaction: the batch in flight usually fails to commit its offset, so the
+//     messages it had published are published again by the next relay (at least once).
+//
+// # Schema
+//
+// InitializeSchema creates the outbox table, "watermill_<topic>", and the relay's offsets
+// table, "watermill_offsets_<topic>", with watermill-sql's own statements, in the schema of
+// Config.Schema or of the search_path. Envelopes are kept forever: watermill-sql never deletes
+// consumed rows, so prune rows below every consumer group's committed offset yourself.
+//
+// Logs: fields in which Watermill's components log contents (forwarder's "payload" and
+// "metadata" on an unwrap failure, watermill-sql's "query_args") are redacted.
+package outbox

@@ -1,0 +1,296 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wmsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+)
+
+// Defaults applied by RelayConfig.setDefaults.
+const (
+	// DefaultBatchSize is watermill-sql's SubscribeBatchSize default: rows read per relay
+	// transaction. Their offsets are acknowledged when the whole batch has been forwarded, so a
+	// crash republishes up to one batch.
+	DefaultBatchSize = 100
+	// DefaultPollInterval is the pause after a poll that found no row to forward: the longest
+	// delay, on an idle relay, between an inbox commit and the relay seeing its rows.
+	DefaultPollInterval = 250 * time.Millisecond
+	// DefaultRetryInterval is the pause after a failed poll (e.g. PostgreSQL unreachable).
+	DefaultRetryInterval = time.Second
+	// DefaultResendInterval is the pause before a row whose publish failed is published again.
+	DefaultResendInterval = time.Second
+	// DefaultAckDeadline is watermill-sql's: how long one message may take to be published;
+	// past it the batch ends unacknowledged at that message and it is published again.
+	DefaultAckDeadline = 30 * time.Second
+	// DefaultCloseTimeout is how long Close waits for in-flight publishes (forwarder's default).
+	DefaultCloseTimeout = 30 * time.Second
+)
+
+// maxConsumerGroupChars is the length of watermill-sql's consumer_group column, VARCHAR(255).
+const maxConsumerGroupChars = 255
+
+// RelayConfig configures a Relay. Zero values take the defaults documented on each field.
+type RelayConfig struct {
+	// Config names the outbox the relay reads; it must equal the Outbox's.
+	Config
+
+	// Pool is the connection pool the relay's watermill-sql subscriber reads the outbox with
+	// (required). The relay holds one connection while it polls or forwards a batch.
+	Pool *pgxpool.Pool
+	// Publisher publishes the unwrapped messages to their destination topics: the real broker
+	// (required). The relay never closes it.
+	Publisher message.Publisher
+
+	// ConsumerGroup is the watermill-sql consumer group whose offset the relay advances (at most
+	// 255 characters of valid UTF-8, no NUL). Default: "" (watermill-sql's default group).
+	// Relays sharing a group share the work: one forwards while the others wait on the group's
+	// offset row (see the package documentation). A relay with another group forwards every
+	// row again, from the start of the table.
+	ConsumerGroup string
+	// BatchSize is the number of rows read and forwarded per relay transaction. Default:
+	// DefaultBatchSize. 1 republishes at most one message after a crash, at the cost of one
+	// transaction per message.
+	BatchSize int
+	// PollInterval is the pause after a poll that found nothing. Default: DefaultPollInterval.
+	PollInterval time.Duration
+	// RetryInterval is the pause after a failed poll. Default: DefaultRetryInterval.
+	RetryInterval time.Duration
+	// ResendInterval is the pause before republishing a message whose publish failed.
+	// Default: DefaultResendInterval.
+	ResendInterval time.Duration
+	// AckDeadline bounds the publish of one message (its context's deadline). Default:
+	// DefaultAckDeadline. Must not be negative.
+	AckDeadline time.Duration
+	// CloseTimeout bounds Close's wait for in-flight publishes. Default: DefaultCloseTimeout.
+	CloseTimeout time.Duration
+	// AckWhenCannotUnwrap acknowledges (drops, with an error log) a row that is not a forwarder
+	// envelope, instead of retrying it forever, which stops the relay's consumer group at that
+	// row. Rows written by Outbox.Store are always valid envelopes. Default: false.
+	AckWhenCannotUnwrap bool
+	// Middlewares wrap the forwarding handler (components/forwarder's Config.Middlewares),
+	// the first outermost. A middleware that returns nil without calling the handler drops the
+	// message. They run inside the subscriber's REPEATABLE READ transaction (see the package
+	// documentation): do not write through it.
+	Middlewares []message.HandlerMiddleware
+}
+
+func (c *RelayConfig) setDefaults() {
+	c.Config.setDefaults()
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.RetryInterval == 0 {
+		c.RetryInterval = DefaultRetryInterval
+	}
+	if c.ResendInterval == 0 {
+		c.ResendInterval = DefaultResendInterval
+	}
+	if c.AckDeadline == 0 {
+		c.AckDeadline = DefaultAckDeadline
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = DefaultCloseTimeout
+	}
+}
+
+// Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Config, a missing
+// Pool or Publisher, an invalid ConsumerGroup, a BatchSize below 1 or a negative duration.
+// NewRelay calls it after filling defaults.
+func (c RelayConfig) Validate() error {
+	if err := c.Config.Validate(); err != nil {
+		return err
+	}
+	if c.Pool == nil {
+		return fmt.Errorf("%w: outbox relay: Pool is required", inbox.ErrInvalidConfig)
+	}
+	if c.Publisher == nil {
+		return fmt.Errorf("%w: outbox relay: Publisher is required", inbox.ErrInvalidConfig)
+	}
+	if !utf8.ValidString(c.ConsumerGroup) || strings.IndexByte(c.ConsumerGroup, 0) >= 0 ||
+		utf8.RuneCountInString(c.ConsumerGroup) > maxConsumerGroupChars {
+		return fmt.Errorf("%w: outbox relay: ConsumerGroup must be valid UTF-8 without NUL, at most %d characters",
+			inbox.ErrInvalidConfig, maxConsumerGroupChars)
+	}
+	if c.BatchSize < 1 {
+		return fmt.Errorf("%w: outbox relay: BatchSize must be at least 1", inbox.ErrInvalidConfig)
+	}
+	if c.PollInterval < 0 || c.RetryInterval < 0 || c.ResendInterval < 0 || c.AckDeadline < 0 || c.CloseTimeout < 0 {
+		return fmt.Errorf("%w: outbox relay: durations must not be negative", inbox.ErrInvalidConfig)
+	}
+	return nil
+}
+
+// ErrRelayClosed is returned by Run after Close.
+var ErrRelayClosed = errors.New("outbox relay: closed")
+
+// Relay forwards the outbox to the broker with Watermill's components/forwarder: a
+// watermill-sql v4 Subscriber on the pool reads the outbox topic in order, the forwarder
+// unwraps each envelope and publishes the original message (same UUID, payload and metadata)
+// to its destination topic with RelayConfig.Publisher, and the row is acknowledged (the
+// consumer group's offset advanced and committed) only after that publish returned.
+//
+// Delivery is at least once, never at most once: a crash, a failed commit or a Close between
+// a publish and the commit of its batch's offset publishes the message again, with the same
+// UUID, when a relay next reads the group. Consumers must deduplicate, which an inbox keyed
+// on the message UUID (the default) does.
+type Relay struct {
+	cfg RelayConfig
+	sub *wmsql.Subscriber
+	fwd *forwarder.Forwarder
+
+	runDone chan struct{} // closed when the forwarder's Run returned
+
+	mu      sync.Mutex
+	started bool // Run called and past its checks: the forwarder's router owns the subscriber
+	closed  bool
+}
+
+// NewRelay returns a Relay, or an error wrapping inbox.ErrInvalidConfig. A nil logger
+// discards logs; fields that could carry payloads or metadata are removed from what
+// Watermill's components log through it. NewRelay does not touch the database.
+func NewRelay(cfg RelayConfig, logger watermill.LoggerAdapter) (*Relay, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	logger = redact(logger).With(watermill.LogFields{"outbox_topic": cfg.Topic})
+	ackDeadline := cfg.AckDeadline
+	sub, err := wmsql.NewSubscriber(queryErrorLogger{Beginner: wmsql.BeginnerFromPgx(cfg.Pool), logger: logger}, wmsql.SubscriberConfig{
+		ConsumerGroup:  cfg.ConsumerGroup,
+		AckDeadline:    &ackDeadline,
+		PollInterval:   cfg.PollInterval,
+		ResendInterval: cfg.ResendInterval,
+		RetryInterval:  cfg.RetryInterval,
+		SchemaAdapter:  cfg.schemaAdapter(cfg.BatchSize),
+		OffsetsAdapter: cfg.offsetsAdapter(),
+		// InitializeSchema outside the subscriber: see the package-level InitializeSchema.
+		InitializeSchema: false,
+	}, logger)
+	if err != nil {
+		return nil, fmt.Errorf("outbox relay: creating the SQL subscriber: %w", err)
+	}
+	fwd, err := forwarder.NewForwarder(sub, metadataPublisher{cfg.Publisher}, logger, forwarder.Config{
+		ForwarderTopic:      cfg.Topic,
+		Middlewares:         cfg.Middlewares,
+		CloseTimeout:        cfg.CloseTimeout,
+		AckWhenCannotUnwrap: cfg.AckWhenCannotUnwrap,
+	})
+	if err != nil {
+		_ = sub.Close()
+		return nil, fmt.Errorf("outbox relay: creating the forwarder: %w", err)
+	}
+	return &Relay{cfg: cfg, sub: sub, fwd: fwd, runDone: make(chan struct{})}, nil
+}
+
+// Run forwards the outbox until ctx is cancelled or Close is called, then returns nil once
+// in-flight publishes finished (bounded by CloseTimeout). It first checks that the outbox
+// tables exist (an error tells you to call InitializeSchema) and registers the consumer group
+// (watermill-sql's "zero offset" row). Run may be called once; it returns ErrRelayClosed after
+// Close.
+func (r *Relay) Run(ctx context.Context) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return ErrRelayClosed
+	}
+	if r.started {
+		r.mu.Unlock()
+		return errors.New("outbox relay: already running")
+	}
+	if err := r.checkTables(ctx); err != nil {
+		r.mu.Unlock()
+		return err
+	}
+	r.started = true
+	r.mu.Unlock()
+	defer close(r.runDone)
+	if err := r.fwd.Run(ctx); err != nil {
+		return fmt.Errorf("outbox relay: %w", err)
+	}
+	return nil
+}
+
+// checkTables fails fast, before the forwarder's router starts, when InitializeSchema has not
+// run: the router cannot be closed cleanly after a failed start.
+func (r *Relay) checkTables(ctx context.Context) error {
+	for _, t := range []string{r.cfg.MessagesTable(), r.cfg.OffsetsTable()} {
+		if _, err := r.cfg.Pool.Exec(ctx, "SELECT FROM "+t+" LIMIT 0"); err != nil {
+			return fmt.Errorf("outbox relay: table %s is not usable (call outbox.InitializeSchema first): %w", t, err)
+		}
+	}
+	return nil
+}
+
+// Running returns a channel that is closed once Run has subscribed to the outbox
+// (components/forwarder's Running, i.e. the router's). Like the router's, it stays closed
+// after the relay stopped.
+func (r *Relay) Running() chan struct{} { return r.fwd.Running() }
+
+// Close stops the relay: it closes the forwarder's router, which waits up to CloseTimeout for
+// the in-flight publish, and the SQL subscriber. Rows published in the batch that was in
+// flight may be published again by the next relay (at least once). Close is idempotent.
+func (r *Relay) Close() error {
+	r.mu.Lock()
+	started := r.started
+	r.closed = true
+	r.mu.Unlock()
+	var err error
+	if started {
+		// Closing the router before it runs would wait CloseTimeout for handlers that never
+		// started, so wait for it to run, or for Run to have failed before it ran.
+		running := false
+		select {
+		case <-r.fwd.Running():
+			running = true
+		case <-r.runDone:
+			select {
+			case <-r.fwd.Running():
+				running = true
+			default:
+			}
+		}
+		if running {
+			if cerr := r.fwd.Close(); cerr != nil {
+				err = fmt.Errorf("outbox relay: closing the forwarder: %w", cerr)
+			}
+		}
+	}
+	if cerr := r.sub.Close(); cerr != nil {
+		err = errors.Join(err, fmt.Errorf("outbox relay: closing the SQL subscriber: %w", cerr))
+	}
+	return err
+}
+
+// metadataPublisher gives every forwarded message a non-nil Metadata map: the forwarder
+// restores a nil map from an envelope whose metadata was JSON null (written by a forwarder
+// publisher other than Outbox.Store), and a nil map panics on Metadata.Set downstream.
+type metadataPublisher struct {
+	message.Publisher
+}
+
+func (p metadataPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if m.Metadata == nil {
+			m.Metadata = message.Metadata{}
+		}
+	}
+	return p.Publisher.Publish(topic, msgs...)
+}
+
+// Close does not close the user's publisher: the relay does not own it.
+func (p metadataPublisher) Close() error { return nil }
