@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"unicode/utf8"
@@ -65,16 +66,32 @@ var brokerSideMetadata = map[string]string{
 // own retries. It returns an error wrapping ErrBrokerSideKey when field names a known
 // broker-side delivery identifier (watermill-amqp's `_watermill_amqp_redelivered`,
 // RabbitMQ's `x-delivery-count` and `x-death`, SQS's `ApproximateReceiveCount` and receipt
-// handle, Kafka offsets and partitions, NATS delivery counts), and one wrapping
-// ErrInvalidConfig when field is empty.
-func MetadataKey(field string) (KeyExtractor, error) {
+// handle, Kafka offsets and partitions, NATS delivery counts) or a field named in one of the
+// brokerSide maps (field name to the reason it describes a delivery; each broker adapter
+// exports its own, e.g. adapters/amqp.BrokerSideFields), and one wrapping ErrInvalidConfig
+// when field is empty. Names are compared case-insensitively.
+func MetadataKey(field string, brokerSide ...map[string]string) (KeyExtractor, error) {
 	if strings.TrimSpace(field) == "" {
 		return nil, fmt.Errorf("%w: MetadataKey: empty field name", ErrInvalidConfig)
 	}
 	if why, ok := brokerSideMetadata[strings.ToLower(field)]; ok {
 		return nil, fmt.Errorf("%w: %q: %s", ErrBrokerSideKey, field, why)
 	}
+	for _, fields := range brokerSide {
+		for name, why := range fields {
+			if strings.EqualFold(name, field) {
+				return nil, fmt.Errorf("%w: %q: %s", ErrBrokerSideKey, field, why)
+			}
+		}
+	}
 	return metadataKey{field: field}, nil
+}
+
+// IsBrokerSideField reports whether field is a known broker-side delivery identifier, by the
+// built-in list or one of the brokerSide maps (see MetadataKey).
+func IsBrokerSideField(field string, brokerSide ...map[string]string) bool {
+	_, err := MetadataKey(field, brokerSide...)
+	return errors.Is(err, ErrBrokerSideKey)
 }
 
 type metadataKey struct{ field string }

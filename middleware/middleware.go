@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -121,6 +120,12 @@ type Config struct {
 	// StatementTimeout bounds every statement in the inbox transaction (PostgreSQL
 	// statement_timeout; SQLSTATE 57014). Zero keeps the server's setting.
 	StatementTimeout time.Duration
+
+	// BrokerSideFields names the metadata fields the subscriber's broker adds to describe a
+	// delivery (field name to reason; each adapter exports its map, e.g.
+	// adapters/amqp.BrokerSideFields). They are removed from dead letters, beside the
+	// built-in list, so a replayed message does not carry the old delivery's state.
+	BrokerSideFields map[string]string
 
 	// Outbox, when set, receives the messages a handler returns (with router.AddHandler),
 	// inside the inbox transaction, for the handler's publish topic; the router then has
@@ -373,7 +378,7 @@ func (i *Inbox) deadLetter(msg *message.Message, claim Claim, attempt int, reaso
 	for k := range dl.Metadata {
 		// Delivery-specific fields (a redelivered flag, a delivery count) would describe the
 		// original delivery, and make a replayed message look redelivered.
-		if _, brokerSide := brokerSideMetadata[strings.ToLower(k)]; brokerSide {
+		if IsBrokerSideField(k, i.cfg.BrokerSideFields) {
 			delete(dl.Metadata, k)
 		}
 	}
