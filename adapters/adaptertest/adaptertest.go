@@ -1,0 +1,390 @@
+// Package adaptertest is the guarantee matrix every broker adapter must pass, against the real
+// broker and the real PostgreSQL: a sequential duplicate, a concurrent duplicate, a crash
+// between commit and ack (a child process killed with SIGKILL, restarted, and the broker's own
+// redelivery), and a poison message that ends on the dead-letter topic.
+//
+// An adapter's test package runs it with two functions:
+//
+//	func TestGuarantees(t *testing.T) { adaptertest.Run(t, harness) }
+//	func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness) } // the crash child
+package adaptertest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// Harness describes one broker.
+type Harness struct {
+	// NewBroker connects to the broker. group is the consumer group (queue group, durable
+	// name) subscribers must share; pool is the test's database (the postgres broker uses
+	// it). It is called in the test process and, with the same environment, in the child.
+	NewBroker func(pool *pgxpool.Pool, group string) (*adapters.Broker, error)
+	// Env is extra environment the child process needs to reach the broker (addresses of an
+	// in-process cluster), as KEY=VALUE.
+	Env []string
+	// ChildTest names the test function that calls Child. Default: "TestAdapterChild".
+	ChildTest string
+	// Timeout bounds each wait for the broker. Default: 30 s.
+	Timeout time.Duration
+}
+
+const (
+	envChild = "ADAPTERTEST_CHILD"
+	envDB    = "ADAPTERTEST_DATABASE_URL"
+	envSch   = "ADAPTERTEST_SCHEMA"
+	envTopic = "ADAPTERTEST_TOPIC"
+	envGroup = "ADAPTERTEST_GROUP"
+	envCrash = "ADAPTERTEST_CRASH_AFTER_COMMIT" // message UUID
+)
+
+const consumerName = "matrix"
+
+const schemaSQL = `
+CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 5) g;
+CREATE TABLE handler_runs (message_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE deliveries (message_id text NOT NULL, pid int NOT NULL);
+`
+
+type payment struct {
+	Account int   `json:"account"`
+	Amount  int64 `json:"amount"`
+	Fail    bool  `json:"fail,omitempty"`
+}
+
+func paymentMsg(id string, account int, amount int64, fail bool) *message.Message {
+	b, _ := json.Marshal(payment{account, amount, fail})
+	return message.NewMessage(id, b)
+}
+
+func randomName(prefix string) string {
+	var b [5]byte
+	_, _ = rand.Read(b[:])
+	return prefix + "_" + hex.EncodeToString(b[:])
+}
+
+// fixture is one matrix test's database, broker and topic.
+type fixture struct {
+	t      *testing.T
+	h      Harness
+	sch    *testenv.Schema
+	store  *pgstore.Store
+	broker *adapters.Broker
+	topic  string
+	group  string
+}
+
+func newFixture(t *testing.T, h Harness) *fixture {
+	t.Helper()
+	sch := testenv.NewSchema(t, 16)
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := store.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sch.Pool.Exec(ctx, schemaSQL); err != nil {
+		t.Fatal(err)
+	}
+	f := &fixture{t: t, h: h, sch: sch, store: store, topic: randomName("matrix"), group: randomName("group")}
+	f.broker = f.newBroker()
+	return f
+}
+
+func (f *fixture) newBroker() *adapters.Broker {
+	b, err := f.h.NewBroker(f.sch.Pool, f.group)
+	if err != nil {
+		f.t.Fatalf("connect to the broker: %v", err)
+	}
+	f.t.Cleanup(func() { _ = b.Close() })
+	return b
+}
+
+func (f *fixture) publish(msgs ...*message.Message) {
+	f.t.Helper()
+	for _, m := range msgs {
+		if err := f.broker.Publisher.Publish(f.topic, m); err != nil {
+			f.t.Fatalf("publish: %v", err)
+		}
+	}
+}
+
+func (f *fixture) count(sql string, args ...any) int64 {
+	f.t.Helper()
+	var n int64
+	if err := f.sch.Pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		f.t.Fatal(err)
+	}
+	return n
+}
+
+func (f *fixture) waitFor(what string, cond func() bool) {
+	f.t.Helper()
+	deadline := time.Now().Add(f.h.Timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			f.t.Fatalf("timed out after %v waiting for %s", f.h.Timeout, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// handler credits the account in the inbox transaction and records its run outside it.
+func handler(pool *pgxpool.Pool) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		ctx := msg.Context()
+		if _, err := pool.Exec(ctx, "INSERT INTO handler_runs (message_id) VALUES ($1)", msg.UUID); err != nil {
+			return err
+		}
+		var p payment
+		if err := json.Unmarshal(msg.Payload, &p); err != nil {
+			return inbox.Permanent(err)
+		}
+		if p.Fail {
+			return errors.New("account frozen")
+		}
+		tx, ok := pgstore.TxFromContext(ctx)
+		if !ok {
+			return errors.New("no inbox transaction")
+		}
+		_, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance + $1 WHERE id = $2", p.Amount, p.Account)
+		return err
+	}
+}
+
+// consumer runs a router with n handlers on the topic, each wrapped by ib, and an outer
+// middleware that records every delivery and, when crashAfterCommit names a message, kills
+// the process once the inbox has committed it (before the router acks).
+func consumer(t testing.TB, pool *pgxpool.Pool, b *adapters.Broker, topic string, ib *inbox.Inbox, n int, crashAfterCommit string, slow time.Duration) *message.Router {
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := os.Getpid()
+	r.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			_, _ = pool.Exec(context.WithoutCancel(msg.Context()), "INSERT INTO deliveries VALUES ($1, $2)", msg.UUID, pid)
+			out, err := h(msg)
+			if err == nil && crashAfterCommit != "" && msg.UUID == crashAfterCommit {
+				_ = syscall.Kill(pid, syscall.SIGKILL) // after the inbox commit, before the ack
+				select {}
+			}
+			if err != nil {
+				time.Sleep(20 * time.Millisecond) // no hot redelivery loop on brokers that requeue at once
+			}
+			return out, err
+		}
+	}, ib.Middleware)
+	h := handler(pool)
+	for i := range n {
+		r.AddConsumerHandler(fmt.Sprintf("%s-%d", consumerName, i), topic, b.Subscriber, func(msg *message.Message) error {
+			if slow > 0 {
+				time.Sleep(slow)
+			}
+			return h(msg)
+		})
+	}
+	go func() { _ = r.Run(context.Background()) }()
+	select {
+	case <-r.Running():
+	case <-time.After(30 * time.Second):
+		t.Fatal("router did not start")
+	}
+	return r
+}
+
+func (f *fixture) inbox(mod ...func(*inbox.Config)) *inbox.Inbox {
+	cfg := inbox.Config{Store: f.store, ConsumerName: consumerName, BrokerSideFields: f.broker.BrokerSideFields}
+	for _, m := range mod {
+		m(&cfg)
+	}
+	ib, err := inbox.New(cfg, nil)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return ib
+}
+
+// Run runs the matrix as subtests of t.
+func Run(t *testing.T, h Harness) {
+	if h.Timeout == 0 {
+		h.Timeout = 30 * time.Second
+	}
+	if h.ChildTest == "" {
+		h.ChildTest = "TestAdapterChild"
+	}
+	t.Run("SequentialDuplicate", func(t *testing.T) { sequentialDuplicate(t, h) })
+	t.Run("ConcurrentDuplicate", func(t *testing.T) { concurrentDuplicate(t, h) })
+	t.Run("CrashBetweenCommitAndAck", func(t *testing.T) { crashBetweenCommitAndAck(t, h) })
+	t.Run("PoisonToDeadLetter", func(t *testing.T) { poisonToDeadLetter(t, h) })
+	t.Run("BrokerSideFieldsRefused", func(t *testing.T) { brokerSideFieldsRefused(t, h) })
+}
+
+func sequentialDuplicate(t *testing.T, h Harness) {
+	f := newFixture(t, h)
+	ib := f.inbox()
+	f.publish(paymentMsg("pay-a", 1, 10, false), paymentMsg("pay-a", 1, 10, false), paymentMsg("pay-b", 1, 5, false))
+	r := consumer(t, f.sch.Pool, f.broker, f.topic, ib, 1, "", 0)
+	defer r.Close()
+	f.waitFor("2 processed and 1 duplicate", func() bool { s := ib.Stats(); return s.Processed == 2 && s.Duplicates >= 1 })
+	if b := f.count("SELECT balance FROM accounts WHERE id = 1"); b != 15 {
+		t.Fatalf("balance %d, want 15 (the duplicate applied once)", b)
+	}
+	if runs := f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-a'"); runs != 1 {
+		t.Fatalf("handler ran %d times for the duplicated message, want 1", runs)
+	}
+}
+
+func concurrentDuplicate(t *testing.T, h Harness) {
+	f := newFixture(t, h)
+	ib := f.inbox()
+	const copies = 6
+	for range copies {
+		f.publish(paymentMsg("pay-same", 2, 100, false))
+	}
+	r := consumer(t, f.sch.Pool, f.broker, f.topic, ib, 4, "", 150*time.Millisecond)
+	defer r.Close()
+	f.waitFor("every copy settled", func() bool { s := ib.Stats(); return s.Processed+s.Duplicates >= copies })
+	if b := f.count("SELECT balance FROM accounts WHERE id = 2"); b != 100 {
+		t.Fatalf("balance %d after %d concurrent copies, want 100", b, copies)
+	}
+	if s := ib.Stats(); s.Processed != 1 || f.count("SELECT count(*) FROM handler_runs") != 1 {
+		t.Fatalf("stats %+v, handler runs %d; want exactly one processed run", s, f.count("SELECT count(*) FROM handler_runs"))
+	}
+}
+
+func poisonToDeadLetter(t *testing.T, h Harness) {
+	f := newFixture(t, h)
+	dlTopic := f.topic + "_dead"
+	dl, err := f.broker.Subscriber.Subscribe(context.Background(), dlTopic) // declares it first
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dead atomic.Int64
+	var reason atomic.Value
+	go func() {
+		for m := range dl {
+			dead.Add(1)
+			reason.Store(m.Metadata.Get("reason_poisoned"))
+			m.Ack()
+		}
+	}()
+	ib := f.inbox(func(c *inbox.Config) {
+		c.DeadLetterPublisher = f.broker.Publisher
+		c.DeadLetterTopic = dlTopic
+		c.MaxAttempts = 3
+	})
+	f.publish(paymentMsg("pay-poison", 3, 7, true), paymentMsg("pay-ok", 3, 1, false))
+	r := consumer(t, f.sch.Pool, f.broker, f.topic, ib, 1, "", 0)
+	defer r.Close()
+	f.waitFor("the dead letter", func() bool { return dead.Load() >= 1 && ib.Stats().Processed >= 1 })
+	time.Sleep(300 * time.Millisecond) // a second dead letter would arrive by now
+	if n := dead.Load(); n != 1 {
+		t.Fatalf("%d dead letters, want 1", n)
+	}
+	if runs := f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-poison'"); runs != 3 {
+		t.Fatalf("handler ran %d times for the poison message, want 3 (MaxAttempts)", runs)
+	}
+	if b := f.count("SELECT balance FROM accounts WHERE id = 3"); b != 1 {
+		t.Fatalf("balance %d, want 1 (only the healthy payment)", b)
+	}
+	if r, _ := reason.Load().(string); r == "" {
+		t.Fatal("dead letter without reason_poisoned")
+	}
+}
+
+func brokerSideFieldsRefused(t *testing.T, h Harness) {
+	f := newFixture(t, h)
+	for field := range f.broker.BrokerSideFields {
+		if _, err := inbox.MetadataKey(field, f.broker.BrokerSideFields); !errors.Is(err, inbox.ErrBrokerSideKey) {
+			t.Errorf("MetadataKey(%q) = %v, want ErrBrokerSideKey", field, err)
+		}
+	}
+}
+
+func crashBetweenCommitAndAck(t *testing.T, h Harness) {
+	f := newFixture(t, h)
+	f.publish(paymentMsg("pay-1", 4, 1, false), paymentMsg("pay-crash", 4, 10, false), paymentMsg("pay-3", 4, 100, false))
+	_ = f.broker.Close() // the parent only publishes; the children consume
+
+	first := f.startChild("pay-crash")
+	err := first.Wait()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("first child ended with %v, want death by SIGKILL at the injected point", err)
+	}
+	if n := f.count("SELECT count(*) FROM inbox_processed_messages WHERE message_id = 'pay-crash'"); n != 1 {
+		t.Fatalf("the crashed delivery's claim is not committed (%d rows)", n)
+	}
+	second := f.startChild("")
+	defer func() { _ = second.Process.Kill(); _, _ = second.Process.Wait() }()
+	f.waitFor("all three payments, and the crashed one redelivered", func() bool {
+		return f.count("SELECT count(*) FROM inbox_processed_messages") == 3 &&
+			f.count("SELECT count(*) FROM deliveries WHERE message_id = 'pay-crash' AND pid = $1", second.Process.Pid) >= 1
+	})
+	if b := f.count("SELECT balance FROM accounts WHERE id = 4"); b != 111 {
+		t.Fatalf("balance %d, want 111 (each payment once)", b)
+	}
+	if runs := f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-crash'"); runs != 1 {
+		t.Fatalf("handler ran %d times for the message committed before the crash, want 1", runs)
+	}
+}
+
+func (f *fixture) startChild(crash string) *exec.Cmd {
+	f.t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^"+f.h.ChildTest+"$", "-test.count=1")
+	cmd.Env = append(os.Environ(), f.h.Env...)
+	cmd.Env = append(cmd.Env, envChild+"=1", envDB+"="+f.sch.URL, envSch+"="+f.sch.Name, envTopic+"="+f.topic, envGroup+"="+f.group, envCrash+"="+crash)
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		f.t.Fatal(err)
+	}
+	return cmd
+}
+
+// Child is the crash test's consumer process. It returns at once unless the test binary was
+// started by the matrix; then it consumes until killed, or for at most 60 s.
+func Child(t *testing.T, h Harness) {
+	if os.Getenv(envChild) != "1" {
+		return
+	}
+	pool := testenv.NewPool(t, os.Getenv(envDB), 8)
+	b, err := h.NewBroker(pool, os.Getenv(envGroup))
+	if err != nil {
+		t.Fatalf("child: broker: %v", err)
+	}
+	store, err := pgstore.New(pool, pgstore.Config{Schema: os.Getenv(envSch)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: consumerName, BrokerSideFields: b.BrokerSideFields}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	consumer(t, pool, b, os.Getenv(envTopic), ib, 1, os.Getenv(envCrash), 0)
+	time.Sleep(60 * time.Second)
+	t.Log("child: exiting after 60 s; pid " + strconv.Itoa(os.Getpid()))
+}

@@ -1,0 +1,117 @@
+package amqp_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/adapters/adaptertest"
+	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+)
+
+func harness(t *testing.T) adaptertest.Harness {
+	url := testenv.RequireAMQP(t)
+	return adaptertest.Harness{
+		NewBroker: func(_ *pgxpool.Pool, _ string) (*adapters.Broker, error) {
+			// Queues expire 10 minutes after their last consumer leaves.
+			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+		},
+	}
+}
+
+func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
+func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
+
+// TestNonStringHeadersDoNotLoop publishes, with the plain AMQP client, a message carrying the
+// header types RabbitMQ itself adds (x-death is a table array, x-delivery-count an integer).
+// watermill-amqp's default unmarshaler fails on them and the message would be requeued forever;
+// through the adapter it is delivered once, with its string headers as metadata.
+func TestNonStringHeadersDoNotLoop(t *testing.T) {
+	url := testenv.RequireAMQP(t)
+	b, err := amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	queue := fmt.Sprintf("headers_%d", time.Now().UnixNano())
+	msgs, err := b.Subscriber.Subscribe(context.Background(), queue)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = ch.PublishWithContext(context.Background(), "", queue, false, false, amqp091.Publishing{
+		Headers: amqp091.Table{
+			"_watermill_message_uuid": "order-7",
+			"name":                    "OrderPlaced",
+			"x-delivery-count":        int64(3),
+			"x-death":                 []any{amqp091.Table{"count": int64(1), "reason": "rejected", "queue": "orders"}},
+		},
+		Body: []byte(`{}`),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-msgs:
+		m.Ack()
+		if m.UUID != "order-7" || m.Metadata.Get("name") != "OrderPlaced" {
+			t.Fatalf("message %q metadata %v", m.UUID, m.Metadata)
+		}
+		if _, ok := m.Metadata["x-death"]; ok {
+			t.Fatal("non-string header kept as metadata")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message with non-string headers was never delivered")
+	}
+	select {
+	case m := <-msgs:
+		t.Fatalf("delivered again: %q (redelivered=%s)", m.UUID, m.Metadata.Get("_watermill_amqp_redelivered"))
+	case <-time.After(500 * time.Millisecond):
+	}
+}
+
+// TestPublishDeclaresTheQueue publishes to a topic nobody subscribed to yet: watermill-amqp
+// alone would route it through the default exchange into nothing; the adapter declares the
+// queue first, so a subscriber that comes later gets it.
+func TestPublishDeclaresTheQueue(t *testing.T) {
+	url := testenv.RequireAMQP(t)
+	b, err := amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	queue := fmt.Sprintf("late_%d", time.Now().UnixNano())
+	if err := b.Publisher.Publish(queue, message.NewMessage("dead-letter-1", []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	msgs, err := b.Subscriber.Subscribe(context.Background(), queue)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-msgs:
+		m.Ack()
+		if m.UUID != "dead-letter-1" {
+			t.Fatalf("got %q", m.UUID)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a message published before the first subscriber was lost")
+	}
+}

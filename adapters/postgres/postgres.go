@@ -1,0 +1,117 @@
+// Package postgres uses PostgreSQL itself as the broker, through watermill-sql v4: messages are
+// rows of a per-topic table, and each consumer group's position is an offset row.
+//
+// The Nack hazard of watermill-sql: its subscriber consumes inside its own REPEATABLE READ
+// transaction and, on Nack, re-sends the message inside that same transaction, so writes made
+// in it by a failed attempt are not rolled back (upstream issue ThreeDotsLabs/watermill-sql#224).
+// The inbox never writes in the subscriber's transaction: it claims and runs the handler in its
+// own transaction on another pool connection, so a failed attempt leaves nothing behind. Do
+// not join the subscriber's transaction (sql.TxFromContext) from an inbox-wrapped handler.
+//
+// Payloads are stored as BYTEA, so any payload works (watermill-sql's default is JSON).
+package postgres
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+)
+
+// Name is the adapter's name in router configuration.
+const Name = "postgres"
+
+// BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal.
+var BrokerSideFields = map[string]string{}
+
+// Config configures the PostgreSQL broker.
+type Config struct {
+	// Pool is the connection pool (required). The subscriber holds one connection per
+	// subscription while it polls; the inbox needs its own connections besides.
+	Pool *pgxpool.Pool
+	// ConsumerGroup names the subscriber's offset row (required): consumers in one group share
+	// the stream, each group gets every message.
+	ConsumerGroup string
+	// PollInterval is the pause between polls that found nothing. Default: 100 ms.
+	PollInterval time.Duration
+	// ResendInterval is the pause before a nacked message is sent again. Default: 100 ms.
+	ResendInterval time.Duration
+	// AckDeadline is how long a message may stay unacked before the subscriber gives up on it
+	// and redelivers. Default: 30 s (watermill-sql's).
+	AckDeadline time.Duration
+	// BatchSize is how many rows a poll reads; a crash redelivers up to that many. Default: 10.
+	BatchSize int
+}
+
+func (c *Config) setDefaults() {
+	if c.PollInterval == 0 {
+		c.PollInterval = 100 * time.Millisecond
+	}
+	if c.ResendInterval == 0 {
+		c.ResendInterval = 100 * time.Millisecond
+	}
+	if c.AckDeadline == 0 {
+		c.AckDeadline = 30 * time.Second
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = 10
+	}
+}
+
+// Validate returns an error wrapping inbox.ErrInvalidConfig for a nil Pool, an empty
+// ConsumerGroup or negative durations.
+func (c Config) Validate() error {
+	switch {
+	case c.Pool == nil:
+		return fmt.Errorf("%w: postgres adapter: Pool is required", inbox.ErrInvalidConfig)
+	case c.ConsumerGroup == "":
+		return fmt.Errorf("%w: postgres adapter: ConsumerGroup is required", inbox.ErrInvalidConfig)
+	case c.PollInterval < 0 || c.ResendInterval < 0 || c.AckDeadline < 0 || c.BatchSize < 0:
+		return fmt.Errorf("%w: postgres adapter: negative interval or batch size", inbox.ErrInvalidConfig)
+	}
+	return nil
+}
+
+// New returns the broker. Tables are created on first publish or subscribe (watermill-sql's
+// schema initialisation, under an advisory lock).
+func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	schema := sql.DefaultPostgreSQLSchema{
+		GeneratePayloadType: func(string) string { return "BYTEA" },
+		SubscribeBatchSize:  cfg.BatchSize,
+	}
+	pub, err := sql.NewPublisher(sql.BeginnerFromPgx(cfg.Pool), sql.PublisherConfig{
+		SchemaAdapter:        schema,
+		AutoInitializeSchema: true,
+	}, logger)
+	if err != nil {
+		return nil, fmt.Errorf("postgres adapter: publisher: %w", err)
+	}
+	deadline := cfg.AckDeadline
+	sub, err := sql.NewSubscriber(sql.BeginnerFromPgx(cfg.Pool), sql.SubscriberConfig{
+		ConsumerGroup:    cfg.ConsumerGroup,
+		SchemaAdapter:    schema,
+		OffsetsAdapter:   sql.DefaultPostgreSQLOffsetsAdapter{},
+		InitializeSchema: true,
+		PollInterval:     cfg.PollInterval,
+		ResendInterval:   cfg.ResendInterval,
+		RetryInterval:    time.Second,
+		AckDeadline:      &deadline,
+	}, logger)
+	if err != nil {
+		_ = pub.Close()
+		return nil, fmt.Errorf("postgres adapter: subscriber: %w", err)
+	}
+	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+}

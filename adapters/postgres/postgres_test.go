@@ -1,0 +1,21 @@
+package postgres_test
+
+import (
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/adapters/adaptertest"
+	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+)
+
+var harness = adaptertest.Harness{
+	NewBroker: func(pool *pgxpool.Pool, group string) (*adapters.Broker, error) {
+		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: group}, watermill.NopLogger{})
+	},
+}
+
+func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness) }
+func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness) }

@@ -1,0 +1,173 @@
+// Package router builds a Watermill router for inbox-wrapped handlers from configuration: the
+// broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves from
+// RabbitMQ to PostgreSQL without a code change.
+//
+//	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
+//	r, err := router.New(ctx, cfg, pool, logger)
+//	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing",
+//		BrokerSideFields: r.Broker.BrokerSideFields}, logger)
+//	r.AddConsumer(ib, "payments", func(msg *message.Message) error { ... })
+//	err = r.Run(ctx)
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+)
+
+// Brokers lists the broker names New accepts.
+var Brokers = []string{postgres.Name, amqp.Name}
+
+// Config selects and addresses the broker.
+type Config struct {
+	// Broker is the adapter's name: "postgres" (default) or "amqp".
+	Broker string `json:"broker"`
+	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
+	// the broker. For "amqp" it is the AMQP URI.
+	URL string `json:"url"`
+	// ConsumerGroup is the consumer group of the subscriber where the broker has one
+	// (postgres). Default: "watermill-inbox".
+	ConsumerGroup string `json:"consumer_group"`
+}
+
+// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL and INBOX_CONSUMER_GROUP, with
+// INBOX_AMQP_URL as the URL of "amqp" when INBOX_BROKER_URL is unset.
+func ConfigFromEnv() (Config, error) {
+	cfg := Config{
+		Broker:        os.Getenv("INBOX_BROKER"),
+		URL:           os.Getenv("INBOX_BROKER_URL"),
+		ConsumerGroup: os.Getenv("INBOX_CONSUMER_GROUP"),
+	}
+	if cfg.URL == "" && strings.EqualFold(cfg.Broker, amqp.Name) {
+		cfg.URL = os.Getenv("INBOX_AMQP_URL")
+	}
+	cfg.setDefaults()
+	return cfg, cfg.Validate()
+}
+
+// LoadConfig reads a JSON file with the fields of Config, e.g.
+// {"broker": "amqp", "url": "amqp://guest:guest@127.0.0.1:5672/"}.
+func LoadConfig(path string) (Config, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("router: %w", err)
+	}
+	var cfg Config
+	dec := json.NewDecoder(strings.NewReader(string(raw)))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&cfg); err != nil {
+		return Config{}, fmt.Errorf("%w: router: %s: %v", inbox.ErrInvalidConfig, path, err)
+	}
+	cfg.setDefaults()
+	return cfg, cfg.Validate()
+}
+
+func (c *Config) setDefaults() {
+	c.Broker = strings.ToLower(strings.TrimSpace(c.Broker))
+	if c.Broker == "" {
+		c.Broker = postgres.Name
+	}
+	if c.ConsumerGroup == "" {
+		c.ConsumerGroup = "watermill-inbox"
+	}
+}
+
+// Validate returns an error wrapping inbox.ErrInvalidConfig for an unknown broker or a missing
+// URL.
+func (c Config) Validate() error {
+	switch c.Broker {
+	case postgres.Name:
+	case amqp.Name:
+		if c.URL == "" {
+			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
+		}
+	default:
+		return fmt.Errorf("%w: router: unknown broker %q (one of %s)", inbox.ErrInvalidConfig, c.Broker, strings.Join(Brokers, ", "))
+	}
+	return nil
+}
+
+// NewBroker builds the configured broker. pool is the database the inbox uses; the postgres
+// broker uses it too.
+func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	switch cfg.Broker {
+	case amqp.Name:
+		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+	default:
+		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
+	}
+}
+
+// Router is a Watermill router on one broker, with the recommended router-level middleware.
+type Router struct {
+	*message.Router
+	// Broker is the configured broker; its Publisher is the one produced messages and dead
+	// letters should use.
+	Broker *adapters.Broker
+}
+
+// New builds the broker and a router whose router-level middleware is, outermost first,
+// CorrelationID and Recoverer. Handlers added with AddConsumer and AddHandler get their inbox
+// as the innermost middleware, so the ack always follows the inbox commit. Close closes the
+// router and then the broker.
+func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Router, error) {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	b, err := NewBroker(cfg, pool, logger)
+	if err != nil {
+		return nil, err
+	}
+	r, err := message.NewRouter(message.RouterConfig{}, logger)
+	if err != nil {
+		_ = b.Close()
+		return nil, err
+	}
+	r.AddMiddleware(wmmiddleware.CorrelationID, wmmiddleware.Recoverer)
+	return &Router{Router: r, Broker: b}, nil
+}
+
+// AddConsumer subscribes ib's handler h to topic: the handler is named after the inbox's
+// consumer name and wrapped by the inbox.
+func (r *Router) AddConsumer(ib *inbox.Inbox, topic string, h message.NoPublishHandlerFunc) *message.Handler {
+	handler := r.AddConsumerHandler(ib.ConsumerName(), topic, r.Broker.Subscriber, h)
+	handler.AddMiddleware(ib.Middleware)
+	return handler
+}
+
+// AddHandler is AddConsumer for a handler that returns messages for publishTopic; give the
+// inbox an Outbox (package middleware/outbox) so they are written in the inbox transaction.
+func (r *Router) AddHandler(ib *inbox.Inbox, topic, publishTopic string, h message.HandlerFunc) *message.Handler {
+	handler := r.Router.AddHandler(ib.ConsumerName(), topic, r.Broker.Subscriber, publishTopic, r.Broker.Publisher, h)
+	handler.AddMiddleware(ib.Middleware)
+	return handler
+}
+
+// Close closes the router, then the broker.
+func (r *Router) Close() error {
+	err := r.Router.Close()
+	if berr := r.Broker.Close(); err == nil {
+		err = berr
+	}
+	return err
+}
+
+// Run runs the router until ctx is cancelled or Close is called.
+func (r *Router) Run(ctx context.Context) error { return r.Router.Run(ctx) }

@@ -1,0 +1,96 @@
+package router_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/router"
+)
+
+func TestConfigFromEnvAndFile(t *testing.T) {
+	t.Setenv("INBOX_BROKER", "AMQP")
+	t.Setenv("INBOX_BROKER_URL", "")
+	t.Setenv("INBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+	cfg, err := router.ConfigFromEnv()
+	if err != nil || cfg.Broker != "amqp" || cfg.URL == "" {
+		t.Fatalf("ConfigFromEnv = %+v, %v", cfg, err)
+	}
+	t.Setenv("INBOX_BROKER", "carrier-pigeon")
+	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("unknown broker: %v", err)
+	}
+	path := filepath.Join(t.TempDir(), "broker.json")
+	_ = os.WriteFile(path, []byte(`{"broker": "postgres", "consumer_group": "billing"}`), 0o600)
+	cfg, err = router.LoadConfig(path)
+	if err != nil || cfg.Broker != "postgres" || cfg.ConsumerGroup != "billing" {
+		t.Fatalf("LoadConfig = %+v, %v", cfg, err)
+	}
+	_ = os.WriteFile(path, []byte(`{"broker": "amqp", "ulr": "typo"}`), 0o600)
+	if _, err := router.LoadConfig(path); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("unknown field: %v", err)
+	}
+}
+
+// TestSameHandlerOnEachBroker runs one handler, unchanged, on every broker the configuration
+// can name: only the Config differs.
+func TestSameHandlerOnEachBroker(t *testing.T) {
+	for _, cfg := range []router.Config{
+		{Broker: "postgres"},
+		{Broker: "amqp", URL: testenv.RequireAMQP(t)},
+	} {
+		t.Run(cfg.Broker, func(t *testing.T) {
+			sch := testenv.NewSchema(t, 8)
+			ctx := context.Background()
+			store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := store.Migrate(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sch.Pool.Exec(ctx, "CREATE TABLE ledger (message_id text PRIMARY KEY)"); err != nil {
+				t.Fatal(err)
+			}
+			r, err := router.New(cfg, sch.Pool, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "ledger", BrokerSideFields: r.Broker.BrokerSideFields}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			topic := "entries_" + sch.Name
+			r.AddConsumer(ib, topic, func(msg *message.Message) error { // the handler, identical on every broker
+				tx, _ := pgstore.TxFromContext(msg.Context())
+				_, err := tx.Exec(msg.Context(), "INSERT INTO ledger VALUES ($1)", msg.UUID)
+				return err
+			})
+			go func() { _ = r.Run(ctx) }()
+			<-r.Running()
+			for _, id := range []string{"e-1", "e-2", "e-1"} {
+				if err := r.Broker.Publisher.Publish(topic, message.NewMessage(id, []byte(`{}`))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			deadline := time.Now().Add(20 * time.Second)
+			for ib.Stats().Processed+ib.Stats().Duplicates < 3 && time.Now().Before(deadline) {
+				time.Sleep(20 * time.Millisecond)
+			}
+			var n int
+			_ = sch.Pool.QueryRow(ctx, "SELECT count(*) FROM ledger").Scan(&n)
+			if s := ib.Stats(); n != 2 || s.Processed != 2 || s.Duplicates != 1 {
+				t.Fatalf("ledger rows %d, stats %+v; want 2 rows, 2 processed, 1 duplicate", n, s)
+			}
+		})
+	}
+}
