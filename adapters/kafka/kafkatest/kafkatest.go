@@ -1,0 +1,148 @@
+// Package kafkatest runs an in-process Kafka cluster for tests: kfake
+// (github.com/twmb/franz-go/pkg/kfake), a Kafka-protocol broker written in Go, with three
+// brokers and seeded topics. It needs no Kafka installation and no network beyond loopback.
+// Tests never skip: a cluster that cannot start fails the test.
+//
+// kfake speaks the protocol sarama v1.61.1 needs for watermill-kafka v3 (produce, fetch,
+// consumer groups, offset commit and fetch). sarama before v1.61 fails against it for
+// protocol versions >= 2.4 (OffsetFetch v6).
+package kafkatest
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// NumBrokers is the number of brokers NewCluster starts.
+const NumBrokers = 3
+
+// MinSessionTimeout is the cluster's group.min.session.timeout.ms: lower than Kafka's 6 s, so
+// tests can use short consumer-group session timeouts and see a killed consumer leave fast.
+const MinSessionTimeout = 100 * time.Millisecond
+
+// Topic is a topic to create with the cluster.
+type Topic struct {
+	// Name of the topic.
+	Name string
+	// Partitions is the number of partitions (at least 1).
+	Partitions int32
+}
+
+// Cluster is a running kfake cluster. It is closed when the test that created it ends.
+type Cluster struct {
+	*kfake.Cluster
+	addrs []string
+}
+
+// NewCluster starts a kfake cluster of NumBrokers brokers on loopback ports with topics
+// created, and closes it when t ends. It fails t if the cluster cannot start.
+func NewCluster(t testing.TB, topics ...Topic) *Cluster {
+	t.Helper()
+	opts := []kfake.Opt{
+		kfake.NumBrokers(NumBrokers),
+		kfake.GroupMinSessionTimeout(MinSessionTimeout),
+	}
+	for _, tp := range topics {
+		if tp.Name == "" || tp.Partitions < 1 {
+			t.Fatalf("kafkatest: invalid topic %+v", tp)
+		}
+		opts = append(opts, kfake.SeedTopics(tp.Partitions, tp.Name))
+	}
+	c, err := kfake.NewCluster(opts...)
+	if err != nil {
+		t.Fatalf("kafkatest: start kfake: %v", err)
+	}
+	t.Cleanup(c.Close)
+	return &Cluster{Cluster: c, addrs: c.ListenAddrs()}
+}
+
+// Addrs returns the brokers' "host:port" addresses, for Config.Brokers.
+func (c *Cluster) Addrs() []string { return slices.Clone(c.addrs) }
+
+// KeyForPartition returns a record key that sarama's default hash partitioner (FNV-1a of the
+// key, modulo the partition count) sends to partition of a topic with partitions partitions.
+// Keys are "key-<n>" for the smallest n that fits, so they are stable.
+func KeyForPartition(partition, partitions int32) string {
+	hp := sarama.NewHashPartitioner("")
+	for n := 0; ; n++ {
+		key := fmt.Sprintf("key-%d", n)
+		p, err := hp.Partition(&sarama.ProducerMessage{Key: sarama.StringEncoder(key)}, partitions)
+		if err == nil && p == partition {
+			return key
+		}
+	}
+}
+
+// CommittedOffsets returns the consumer group's committed offset (the next offset it will
+// read) per partition of topic; a partition without a committed offset is absent. It fails t
+// on error.
+func CommittedOffsets(t testing.TB, addrs []string, group, topic string) map[int32]int64 {
+	t.Helper()
+	out, err := TryCommittedOffsets(addrs, group, topic)
+	if err != nil {
+		t.Fatalf("kafkatest: %v", err)
+	}
+	return out
+}
+
+// TryCommittedOffsets is CommittedOffsets returning its error, for polling while the group
+// rebalances.
+func TryCommittedOffsets(addrs []string, group, topic string) (map[int32]int64, error) {
+	admin, err := sarama.NewClusterAdmin(addrs, saramaConfig())
+	if err != nil {
+		return nil, fmt.Errorf("cluster admin: %w", err)
+	}
+	defer func() { _ = admin.Close() }()
+	resp, err := admin.ListConsumerGroupOffsets(group, nil)
+	if err != nil {
+		return nil, fmt.Errorf("list offsets of group %s: %w", group, err)
+	}
+	if resp.Err != sarama.ErrNoError {
+		return nil, fmt.Errorf("list offsets of group %s: %w", group, resp.Err)
+	}
+	out := map[int32]int64{}
+	for p, b := range resp.Blocks[topic] {
+		if b.Err != sarama.ErrNoError {
+			return nil, fmt.Errorf("offset of %s/%d: %w", topic, p, b.Err)
+		}
+		if b.Offset >= 0 {
+			out[p] = b.Offset
+		}
+	}
+	return out, nil
+}
+
+// EndOffsets returns the next offset to be written (the high watermark) per partition of
+// topic, i.e. how many records each partition holds. It fails t on error.
+func EndOffsets(t testing.TB, addrs []string, topic string) map[int32]int64 {
+	t.Helper()
+	client, err := sarama.NewClient(addrs, saramaConfig())
+	if err != nil {
+		t.Fatalf("kafkatest: client: %v", err)
+	}
+	defer func() { _ = client.Close() }()
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		t.Fatalf("kafkatest: partitions of %s: %v", topic, err)
+	}
+	out := map[int32]int64{}
+	for _, p := range parts {
+		off, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			t.Fatalf("kafkatest: end offset of %s/%d: %v", topic, p, err)
+		}
+		out[p] = off
+	}
+	return out
+}
+
+func saramaConfig() *sarama.Config {
+	c := sarama.NewConfig()
+	c.ClientID = "kafkatest"
+	return c
+}
