@@ -95,6 +95,8 @@ type fixture struct {
 	group  string
 }
 
+func newBenchSchema(b *testing.B) *testenv.Schema { return testenv.NewSchema(b, 24) }
+
 func newFixture(t *testing.T, h Harness) *fixture {
 	t.Helper()
 	sch := testenv.NewSchema(t, 16)
@@ -217,13 +219,17 @@ func consumer(t testing.TB, pool *pgxpool.Pool, b *adapters.Broker, topic string
 }
 
 func (f *fixture) inbox(mod ...func(*inbox.Config)) *inbox.Inbox {
-	cfg := inbox.Config{Store: f.store, ConsumerName: consumerName, BrokerSideFields: f.broker.BrokerSideFields}
+	return newInbox(f.t, f.store, f.broker, mod...)
+}
+
+func newInbox(t testing.TB, store *pgstore.Store, b *adapters.Broker, mod ...func(*inbox.Config)) *inbox.Inbox {
+	cfg := inbox.Config{Store: store, ConsumerName: consumerName, BrokerSideFields: b.BrokerSideFields}
 	for _, m := range mod {
 		m(&cfg)
 	}
 	ib, err := inbox.New(cfg, nil)
 	if err != nil {
-		f.t.Fatal(err)
+		t.Fatal(err)
 	}
 	return ib
 }

@@ -115,3 +115,16 @@ func TestPublishDeclaresTheQueue(t *testing.T) {
 		t.Fatal("a message published before the first subscriber was lost")
 	}
 }
+
+// BenchmarkInboxVsBare: go test ./adapters/amqp -run '^$' -bench . -benchtime 2000x
+func BenchmarkInboxVsBare(b *testing.B) {
+	url := testenv.DefaultAMQPURL
+	if v := testenv.AMQPURL(); v != "" {
+		url = v
+	}
+	adaptertest.Benchmark(b, adaptertest.Harness{
+		NewBroker: func(_ *pgxpool.Pool, _ string) (*adapters.Broker, error) {
+			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+		},
+	}, 8)
+}

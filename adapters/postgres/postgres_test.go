@@ -19,3 +19,6 @@ var harness = adaptertest.Harness{
 
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness) }
+
+// BenchmarkInboxVsBare: go test ./adapters/postgres -run '^$' -bench . -benchtime 2000x
+func BenchmarkInboxVsBare(b *testing.B) { adaptertest.Benchmark(b, harness, 1) }

@@ -1,0 +1,121 @@
+package adaptertest
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// Benchmark measures messages per second through the broker with the inbox, against the same
+// handler (one UPDATE) in a bare transaction without a claim, in one run: it publishes b.N
+// messages to each of two topics, then consumes the bare topic, then the inbox topic, each with
+// handlers consumers handlers of one consumer group. It reports bare-msg/s, inbox-msg/s and
+// their ratio. Publishing is not timed.
+func Benchmark(b *testing.B, h Harness, handlers int) {
+	if h.Timeout == 0 {
+		h.Timeout = 60 * time.Second
+	}
+	sch := newBenchSchema(b)
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := store.Migrate(ctx); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := sch.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
+		INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 1000) g`); err != nil {
+		b.Fatal(err)
+	}
+	var ib *inbox.Inbox
+
+	update := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {
+		n, _ := strconv.Atoi(m.Metadata.Get("n"))
+		_, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance + 1 WHERE id = $1", n%1000+1)
+		return err
+	}
+	// run uses a broker of its own: closing a Watermill router closes its subscribers.
+	run := func(name string, mw message.HandlerMiddleware, handler func(*message.Message) error) float64 {
+		broker, err := h.NewBroker(sch.Pool, randomName("bench"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer broker.Close()
+		if ib == nil {
+			ib = newInbox(b, store, broker)
+		}
+		topic := randomName("bench_" + name)
+		for i := range b.N {
+			m := message.NewMessage(uuid.NewString(), []byte(`{}`))
+			m.Metadata.Set("n", strconv.Itoa(i))
+			if err := broker.Publisher.Publish(topic, m); err != nil {
+				b.Fatal(err)
+			}
+		}
+		var done atomic.Int64
+		r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		r.AddMiddleware(mw)
+		for i := range handlers {
+			r.AddConsumerHandler(fmt.Sprintf("%s-%d", name, i), topic, broker.Subscriber, func(m *message.Message) error {
+				if err := handler(m); err != nil {
+					return err
+				}
+				done.Add(1)
+				return nil
+			})
+		}
+		start := time.Now()
+		go func() { _ = r.Run(context.Background()) }()
+		deadline := start.Add(h.Timeout)
+		for done.Load() < int64(b.N) {
+			if time.Now().After(deadline) {
+				b.Fatalf("%s: %d of %d messages consumed after %v", name, done.Load(), b.N, h.Timeout)
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+		elapsed := time.Since(start)
+		_ = r.Close()
+		return float64(b.N) / elapsed.Seconds()
+	}
+	b.ResetTimer()
+	bare := run("bare", func(hf message.HandlerFunc) message.HandlerFunc {
+		return func(m *message.Message) ([]*message.Message, error) {
+			tx, err := sch.Pool.BeginTx(m.Context(), pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+			if err != nil {
+				return nil, err
+			}
+			if err := update(m.Context(), tx, m); err != nil {
+				_ = tx.Rollback(context.WithoutCancel(m.Context()))
+				return nil, err
+			}
+			if err := tx.Commit(context.WithoutCancel(m.Context())); err != nil {
+				return nil, err
+			}
+			return hf(m) // counts the message
+		}
+	}, func(*message.Message) error { return nil })
+	withInbox := run("inbox", func(h message.HandlerFunc) message.HandlerFunc { return ib.Middleware(h) }, func(m *message.Message) error {
+		tx, _ := pgstore.TxFromContext(m.Context())
+		return update(m.Context(), tx, m)
+	})
+	b.StopTimer()
+	b.ReportMetric(bare, "bare-msg/s")
+	b.ReportMetric(withInbox, "inbox-msg/s")
+	b.ReportMetric(withInbox/bare, "ratio")
+	b.ReportMetric(0, "ns/op")
+}
