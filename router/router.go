@@ -25,26 +25,35 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
 
 // Brokers lists the broker names New accepts.
-var Brokers = []string{postgres.Name, amqp.Name}
+var Brokers = []string{postgres.Name, amqp.Name, sqs.Name}
 
 // Config selects and addresses the broker.
 type Config struct {
-	// Broker is the adapter's name: "postgres" (default) or "amqp".
+	// Broker is the adapter's name: "postgres" (default), "amqp" or "sqs".
 	Broker string `json:"broker"`
 	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
-	// the broker. For "amqp" it is the AMQP URI.
+	// the broker. For "amqp" it is the AMQP URI. For "sqs" it is optional: an endpoint that
+	// replaces the one AWS resolves from the region (e.g. a local SQS-compatible endpoint);
+	// region and credentials come from the AWS SDK's default resolution (AWS_REGION,
+	// AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...).
 	URL string `json:"url"`
 	// ConsumerGroup is the consumer group of the subscriber where the broker has one
 	// (postgres). Default: "watermill-inbox".
 	ConsumerGroup string `json:"consumer_group"`
+	// SQSQueryProtocol makes the "sqs" broker speak the AWS query protocol instead of the
+	// SDK's default JSON protocol. Amazon SQS speaks both: leave it off against AWS. Set it
+	// for an SQS-compatible endpoint that speaks only the query protocol, such as goaws.
+	SQSQueryProtocol bool `json:"sqs_query_protocol"`
 }
 
 // ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL and INBOX_CONSUMER_GROUP, with
-// INBOX_AMQP_URL as the URL of "amqp" when INBOX_BROKER_URL is unset.
+// INBOX_AMQP_URL as the URL of "amqp" when INBOX_BROKER_URL is unset, and
+// INBOX_SQS_QUERY_PROTOCOL=1 for SQSQueryProtocol.
 func ConfigFromEnv() (Config, error) {
 	cfg := Config{
 		Broker:        os.Getenv("INBOX_BROKER"),
@@ -53,6 +62,9 @@ func ConfigFromEnv() (Config, error) {
 	}
 	if cfg.URL == "" && strings.EqualFold(cfg.Broker, amqp.Name) {
 		cfg.URL = os.Getenv("INBOX_AMQP_URL")
+	}
+	if err := sqsFromEnv(&cfg); err != nil {
+		return cfg, err
 	}
 	cfg.setDefaults()
 	return cfg, cfg.Validate()
@@ -86,7 +98,7 @@ func (c *Config) setDefaults() {
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an unknown broker or a missing
-// URL.
+// or invalid URL.
 func (c Config) Validate() error {
 	switch c.Broker {
 	case postgres.Name:
@@ -94,6 +106,8 @@ func (c Config) Validate() error {
 		if c.URL == "" {
 			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
 		}
+	case sqs.Name:
+		return validateSQS(c)
 	default:
 		return fmt.Errorf("%w: router: unknown broker %q (one of %s)", inbox.ErrInvalidConfig, c.Broker, strings.Join(Brokers, ", "))
 	}
@@ -110,6 +124,8 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 	switch cfg.Broker {
 	case amqp.Name:
 		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+	case sqs.Name:
+		return newSQSBroker(cfg, logger)
 	default:
 		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	}

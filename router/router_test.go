@@ -10,11 +10,15 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
+
+// TestMain runs goaws, the SQS emulator, in-process for the "sqs" broker.
+func TestMain(m *testing.M) { sqstest.Main(m) }
 
 func TestConfigFromEnvAndFile(t *testing.T) {
 	t.Setenv("INBOX_BROKER", "AMQP")
@@ -38,14 +42,44 @@ func TestConfigFromEnvAndFile(t *testing.T) {
 	if _, err := router.LoadConfig(path); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Fatalf("unknown field: %v", err)
 	}
+	_ = os.WriteFile(path, []byte(`{"broker": "sqs", "url": "http://127.0.0.1:4100", "sqs_query_protocol": true}`), 0o600)
+	if cfg, err = router.LoadConfig(path); err != nil || cfg.Broker != "sqs" || !cfg.SQSQueryProtocol {
+		t.Fatalf("LoadConfig(sqs) = %+v, %v", cfg, err)
+	}
+}
+
+func TestSQSConfigFromEnv(t *testing.T) {
+	t.Setenv("INBOX_BROKER", "sqs")
+	t.Setenv("INBOX_BROKER_URL", "") // AWS's endpoint for the region
+	t.Setenv("INBOX_SQS_QUERY_PROTOCOL", "")
+	cfg, err := router.ConfigFromEnv()
+	if err != nil || cfg.Broker != "sqs" || cfg.URL != "" || cfg.SQSQueryProtocol {
+		t.Fatalf("ConfigFromEnv = %+v, %v", cfg, err)
+	}
+	t.Setenv("INBOX_BROKER_URL", "http://127.0.0.1:4100")
+	t.Setenv("INBOX_SQS_QUERY_PROTOCOL", "1")
+	if cfg, err = router.ConfigFromEnv(); err != nil || cfg.URL != "http://127.0.0.1:4100" || !cfg.SQSQueryProtocol {
+		t.Fatalf("ConfigFromEnv = %+v, %v", cfg, err)
+	}
+	t.Setenv("INBOX_SQS_QUERY_PROTOCOL", "yes please")
+	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("INBOX_SQS_QUERY_PROTOCOL=yes please: %v", err)
+	}
+	t.Setenv("INBOX_SQS_QUERY_PROTOCOL", "0")
+	t.Setenv("INBOX_BROKER_URL", "127.0.0.1:4100") // no scheme
+	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("endpoint without a scheme: %v", err)
+	}
 }
 
 // TestSameHandlerOnEachBroker runs one handler, unchanged, on every broker the configuration
 // can name: only the Config differs.
 func TestSameHandlerOnEachBroker(t *testing.T) {
+	sqstest.SetAWSEnv(t) // region and credentials for the AWS SDK's default resolution
 	for _, cfg := range []router.Config{
 		{Broker: "postgres"},
 		{Broker: "amqp", URL: testenv.RequireAMQP(t)},
+		{Broker: "sqs", URL: sqstest.Endpoint(), SQSQueryProtocol: true}, // goaws, in-process
 	} {
 		t.Run(cfg.Broker, func(t *testing.T) {
 			sch := testenv.NewSchema(t, 8)

@@ -15,7 +15,6 @@ package amqp
 
 import (
 	"fmt"
-	"sync"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
@@ -100,28 +99,16 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		return nil, fmt.Errorf("amqp adapter: publisher: %w", err)
 	}
 	return &adapters.Broker{
-		Name:             Name,
-		Publisher:        &declaringPublisher{Publisher: pub, declare: sub.SubscribeInitialize},
+		Name: Name,
+		Publisher: adapters.DeclaringPublisher(pub, func(topic string) error {
+			if err := sub.SubscribeInitialize(topic); err != nil {
+				return fmt.Errorf("amqp adapter: queue.declare: %w", err)
+			}
+			return nil
+		}),
 		Subscriber:       sub,
 		BrokerSideFields: BrokerSideFields,
 	}, nil
-}
-
-// declaringPublisher declares a topic's queue (once per topic and process) before publishing.
-type declaringPublisher struct {
-	message.Publisher
-	declare  func(topic string) error
-	declared sync.Map
-}
-
-func (p *declaringPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if _, ok := p.declared.Load(topic); !ok {
-		if err := p.declare(topic); err != nil {
-			return fmt.Errorf("amqp adapter: declaring queue for topic %q: %w", topic, err)
-		}
-		p.declared.Store(topic, true)
-	}
-	return p.Publisher.Publish(topic, msgs...)
 }
 
 // Marshaler is watermill-amqp's DefaultMarshaler, except that Unmarshal drops headers that

@@ -11,6 +11,12 @@
 //	err = pub.Publish("payments", message.NewMessage(watermill.NewUUID(), []byte(`{"amount":5}`)))
 //	router.AddConsumerHandler("billing", "payments", sub, handler) // + the inbox middleware
 //
+// For the inbox, New builds both as an adapters.Broker (package router names it "sqs"):
+// its Publisher and Subscriber create a topic's queue, with BrokerConfig.QueueAttributes,
+// when it does not exist yet, and it carries BrokerSideFields. Tests run against goaws, an
+// in-process SQS emulator, through package sqstest; goaws speaks only the query protocol
+// (option QueryProtocol), Amazon SQS the SDK's default JSON protocol.
+//
 // What travels where:
 //   - payload: the message body. SQS accepts text only (XML characters, at least one):
 //     base64-encode binary payloads; Publish refuses others with ErrInvalidMessage.

@@ -17,6 +17,7 @@ import (
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
 )
 
 // countingClient counts HTTP requests the SDK attempts, refused connections included.
@@ -33,7 +34,7 @@ func (c countingClient) Do(r *http.Request) (*http.Response, error) {
 // startProxy serves a reverse proxy to goaws on addr ("127.0.0.1:0" for any port).
 func startProxy(t *testing.T, addr string) *httptest.Server {
 	t.Helper()
-	target, err := url.Parse(goawsURL)
+	target, err := url.Parse(sqstest.Endpoint())
 	if err != nil {
 		t.Fatal(err)
 	}
