@@ -157,3 +157,7 @@ func queueVisibility(t *testing.T, queue string) string {
 	}
 	return attrs.Attributes["VisibilityTimeout"]
 }
+
+// BenchmarkInboxVsBare: go test ./adapters/sqs -run '^$' -bench . -benchtime 500x (on goaws,
+// an emulator: the figures say how much the inbox adds, not how fast SQS is).
+func BenchmarkInboxVsBare(b *testing.B) { adaptertest.Benchmark(b, harness(), 4) }
