@@ -24,22 +24,24 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
 
 // Brokers lists the broker names New accepts.
-var Brokers = []string{postgres.Name, amqp.Name}
+var Brokers = []string{postgres.Name, amqp.Name, kafka.Name}
 
 // Config selects and addresses the broker.
 type Config struct {
-	// Broker is the adapter's name: "postgres" (default) or "amqp".
+	// Broker is the adapter's name: "postgres" (default), "amqp" or "kafka".
 	Broker string `json:"broker"`
 	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
-	// the broker. For "amqp" it is the AMQP URI.
+	// the broker. For "amqp" it is the AMQP URI. For "kafka" it is the bootstrap brokers,
+	// comma-separated host:port, optionally behind kafka:// (kafka://k1:9092,k2:9092).
 	URL string `json:"url"`
 	// ConsumerGroup is the consumer group of the subscriber where the broker has one
-	// (postgres). Default: "watermill-inbox".
+	// (postgres, kafka). Default: "watermill-inbox".
 	ConsumerGroup string `json:"consumer_group"`
 }
 
@@ -94,6 +96,10 @@ func (c Config) Validate() error {
 		if c.URL == "" {
 			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
 		}
+	case kafka.Name:
+		if _, err := kafka.ParseBrokers(c.URL); err != nil {
+			return fmt.Errorf("router: broker %q needs a URL (INBOX_BROKER_URL): %w", c.Broker, err)
+		}
 	default:
 		return fmt.Errorf("%w: router: unknown broker %q (one of %s)", inbox.ErrInvalidConfig, c.Broker, strings.Join(Brokers, ", "))
 	}
@@ -110,6 +116,12 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 	switch cfg.Broker {
 	case amqp.Name:
 		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+	case kafka.Name:
+		brokers, err := kafka.ParseBrokers(cfg.URL)
+		if err != nil {
+			return nil, err
+		}
+		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	default:
 		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	}
