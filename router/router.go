@@ -24,26 +24,28 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
 
 // Brokers lists the broker names New accepts.
-var Brokers = []string{postgres.Name, amqp.Name, sqs.Name}
+var Brokers = []string{postgres.Name, amqp.Name, kafka.Name, sqs.Name}
 
 // Config selects and addresses the broker.
 type Config struct {
-	// Broker is the adapter's name: "postgres" (default), "amqp" or "sqs".
+	// Broker is the adapter's name: "postgres" (default), "amqp", "kafka" or "sqs".
 	Broker string `json:"broker"`
 	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
-	// the broker. For "amqp" it is the AMQP URI. For "sqs" it is optional: an endpoint that
-	// replaces the one AWS resolves from the region (e.g. a local SQS-compatible endpoint);
-	// region and credentials come from the AWS SDK's default resolution (AWS_REGION,
-	// AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...).
+	// the broker. For "amqp" it is the AMQP URI. For "kafka" it is the bootstrap brokers,
+	// comma-separated host:port, optionally behind kafka:// (kafka://k1:9092,k2:9092). For
+	// "sqs" it is optional: an endpoint that replaces the one AWS resolves from the region
+	// (e.g. a local SQS-compatible endpoint); region and credentials come from the AWS SDK's
+	// default resolution (AWS_REGION, AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...).
 	URL string `json:"url"`
 	// ConsumerGroup is the consumer group of the subscriber where the broker has one
-	// (postgres). Default: "watermill-inbox".
+	// (postgres, kafka). Default: "watermill-inbox".
 	ConsumerGroup string `json:"consumer_group"`
 	// SQSQueryProtocol makes the "sqs" broker speak the AWS query protocol instead of the
 	// SDK's default JSON protocol. Amazon SQS speaks both: leave it off against AWS. Set it
@@ -106,6 +108,10 @@ func (c Config) Validate() error {
 		if c.URL == "" {
 			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
 		}
+	case kafka.Name:
+		if _, err := kafka.ParseBrokers(c.URL); err != nil {
+			return fmt.Errorf("router: broker %q needs a URL (INBOX_BROKER_URL): %w", c.Broker, err)
+		}
 	case sqs.Name:
 		return validateSQS(c)
 	default:
@@ -124,6 +130,12 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 	switch cfg.Broker {
 	case amqp.Name:
 		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+	case kafka.Name:
+		brokers, err := kafka.ParseBrokers(cfg.URL)
+		if err != nil {
+			return nil, err
+		}
+		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	case sqs.Name:
 		return newSQSBroker(cfg, logger)
 	default:

@@ -5,11 +5,13 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
@@ -27,6 +29,18 @@ func TestConfigFromEnvAndFile(t *testing.T) {
 	cfg, err := router.ConfigFromEnv()
 	if err != nil || cfg.Broker != "amqp" || cfg.URL == "" {
 		t.Fatalf("ConfigFromEnv = %+v, %v", cfg, err)
+	}
+	t.Setenv("INBOX_BROKER", "kafka")
+	t.Setenv("INBOX_BROKER_URL", "kafka://127.0.0.1:9092,127.0.0.1:9093")
+	t.Setenv("INBOX_CONSUMER_GROUP", "billing")
+	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.Broker != "kafka" || cfg.ConsumerGroup != "billing" {
+		t.Fatalf("ConfigFromEnv (kafka) = %+v, %v", cfg, err)
+	}
+	for _, url := range []string{"", "kafka://", "127.0.0.1:9092,", "amqp://127.0.0.1:5672"} {
+		t.Setenv("INBOX_BROKER_URL", url)
+		if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Fatalf("kafka with URL %q: %v, want inbox.ErrInvalidConfig", url, err)
+		}
 	}
 	t.Setenv("INBOX_BROKER", "carrier-pigeon")
 	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
@@ -75,10 +89,12 @@ func TestSQSConfigFromEnv(t *testing.T) {
 // TestSameHandlerOnEachBroker runs one handler, unchanged, on every broker the configuration
 // can name: only the Config differs.
 func TestSameHandlerOnEachBroker(t *testing.T) {
-	sqstest.SetAWSEnv(t) // region and credentials for the AWS SDK's default resolution
+	sqstest.SetAWSEnv(t)                    // region and credentials for the AWS SDK's default resolution
+	kafkaCluster := kafkatest.NewCluster(t) // topics are created on first use
 	for _, cfg := range []router.Config{
 		{Broker: "postgres"},
 		{Broker: "amqp", URL: testenv.RequireAMQP(t)},
+		{Broker: "kafka", URL: "kafka://" + strings.Join(kafkaCluster.Addrs(), ",")},
 		{Broker: "sqs", URL: sqstest.Endpoint(), SQSQueryProtocol: true}, // goaws, in-process
 	} {
 		t.Run(cfg.Broker, func(t *testing.T) {

@@ -174,23 +174,27 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
-// mustRefuse are the BrokerSideFields names middleware/key.go refuses already; MetadataKey
-// must keep refusing them.
+// mustRefuse are the BrokerSideFields names inbox.MetadataKey refuses even without the
+// adapter's map (its built-in list).
 var mustRefuse = []string{"partition", "offset", "kafka_partition", "kafka_offset"}
 
 // TestBrokerSideFieldsAreRefused checks that no Kafka delivery-describing name can become the
-// inbox key through this package's MetadataKey, and that inbox.MetadataKey refuses the names
-// it knows. Names inbox.MetadataKey still accepts are logged (see the adapter's report).
+// inbox key through inbox.MetadataKey given the adapter's map, in any letter case, that the
+// built-in list refuses the names it knows without the map, and that New hands the map out as
+// the Broker's BrokerSideFields. Names only the map refuses are logged.
 func TestBrokerSideFieldsAreRefused(t *testing.T) {
-	var notYet []string
+	var mapOnly []string
 	for name, why := range kafka.BrokerSideFields {
 		if name != strings.ToLower(name) || why == "" {
 			t.Errorf("BrokerSideFields[%q] = %q: want a lower-case name and a reason", name, why)
 		}
-		for _, variant := range []string{name, strings.ToUpper(name)} {
-			if _, err := kafka.MetadataKey(variant); !errors.Is(err, inbox.ErrBrokerSideKey) {
-				t.Errorf("kafka.MetadataKey(%q) = %v, want ErrBrokerSideKey", variant, err)
+		for _, variant := range []string{name, strings.ToUpper(name), " " + name} {
+			if _, err := inbox.MetadataKey(strings.TrimSpace(variant), kafka.BrokerSideFields); !errors.Is(err, inbox.ErrBrokerSideKey) {
+				t.Errorf("inbox.MetadataKey(%q, kafka.BrokerSideFields) = %v, want ErrBrokerSideKey", variant, err)
 			}
+		}
+		if !inbox.IsBrokerSideField(name, kafka.BrokerSideFields) {
+			t.Errorf("inbox.IsBrokerSideField(%q, kafka.BrokerSideFields) = false", name)
 		}
 		_, err := inbox.MetadataKey(name)
 		switch {
@@ -198,7 +202,7 @@ func TestBrokerSideFieldsAreRefused(t *testing.T) {
 		case slices.Contains(mustRefuse, name):
 			t.Errorf("inbox.MetadataKey(%q) = %v, want ErrBrokerSideKey", name, err)
 		default:
-			notYet = append(notYet, name)
+			mapOnly = append(mapOnly, name)
 		}
 	}
 	for _, name := range mustRefuse {
@@ -206,13 +210,59 @@ func TestBrokerSideFieldsAreRefused(t *testing.T) {
 			t.Errorf("BrokerSideFields lacks %q", name)
 		}
 	}
-	slices.Sort(notYet)
-	t.Logf("inbox.MetadataKey does not refuse yet: %v", notYet)
+	slices.Sort(mapOnly)
+	t.Logf("refused only with kafka.BrokerSideFields: %v", mapOnly)
 
-	if _, err := kafka.MetadataKey("payment_request_id"); err != nil {
+	if _, err := inbox.MetadataKey("payment_request_id", kafka.BrokerSideFields); err != nil {
 		t.Errorf("a business field was refused: %v", err)
 	}
-	if _, err := kafka.MetadataKey(""); !errors.Is(err, inbox.ErrInvalidConfig) {
+	if _, err := inbox.MetadataKey("", kafka.BrokerSideFields); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Errorf("empty field: %v, want ErrInvalidConfig", err)
+	}
+
+	b, err := kafka.New(kafka.Config{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g"}, nil)
+	if err == nil {
+		_ = b.Close()
+		t.Fatal("New connected to a closed port")
+	}
+	if errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("New on an unreachable broker = %v: not a configuration error", err)
+	}
+}
+
+// TestNewValidates checks that New refuses what NewSubscriber and NewPublisher refuse, before
+// connecting anywhere.
+func TestNewValidates(t *testing.T) {
+	for name, c := range map[string]kafka.Config{
+		"no brokers": {ConsumerGroup: "g"},
+		"no group":   {Brokers: []string{"127.0.0.1:1"}},
+		"bad offset": {Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g", InitialOffset: 3},
+	} {
+		if b, err := kafka.New(c, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
+			if b != nil {
+				_ = b.Close()
+			}
+			t.Errorf("%s: New = %v, want inbox.ErrInvalidConfig", name, err)
+		}
+	}
+}
+
+func TestParseBrokers(t *testing.T) {
+	for in, want := range map[string][]string{
+		"127.0.0.1:9092":                              {"127.0.0.1:9092"},
+		"kafka://127.0.0.1:9092,127.0.0.1:9093":       {"127.0.0.1:9092", "127.0.0.1:9093"},
+		"KAFKA://k1:9092, k2:9092/":                   {"k1:9092", "k2:9092"},
+		" k1:9092 ,k2:9093,[::1]:9094 ":               {"k1:9092", "k2:9093", "[::1]:9094"},
+		"kafka-1.internal:9092,kafka-2.internal:9092": {"kafka-1.internal:9092", "kafka-2.internal:9092"},
+	} {
+		got, err := kafka.ParseBrokers(in)
+		if err != nil || !slices.Equal(got, want) {
+			t.Errorf("ParseBrokers(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", " ", "kafka://", "k1:9092,", "k1:9092,,k2:9092", "k1", "amqp://k1:5672", "k1:"} {
+		if got, err := kafka.ParseBrokers(in); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("ParseBrokers(%q) = %q, %v; want inbox.ErrInvalidConfig", in, got, err)
+		}
 	}
 }

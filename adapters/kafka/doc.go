@@ -1,14 +1,19 @@
 // Package kafka connects the inbox to Apache Kafka through watermill-kafka v3
 // (github.com/ThreeDotsLabs/watermill-kafka/v3) and IBM/sarama. It builds a Watermill
 // message.Publisher and a consumer-group message.Subscriber whose settings keep delivery
-// at-least-once, which is what the inbox turns into exactly-once effects in PostgreSQL:
+// at-least-once, which is what the inbox turns into exactly-once effects in PostgreSQL. New
+// returns both as an adapters.Broker, with BrokerSideFields; package router builds it from
+// configuration (INBOX_BROKER=kafka, INBOX_BROKER_URL=kafka://kafka-1:9092,kafka-2:9092):
 //
 //	cfg := kafka.Config{Brokers: []string{"kafka-1:9092"}, ConsumerGroup: "billing"}
-//	sub, err := kafka.NewSubscriber(cfg, logger)
-//	pub, err := kafka.NewPublisher(cfg, logger)
-//	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing"}, logger)
-//	h := router.AddConsumerHandler("billing", "payments", sub, handle)
+//	b, err := kafka.New(cfg, logger)
+//	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing",
+//		BrokerSideFields: b.BrokerSideFields}, logger)
+//	h := router.AddConsumerHandler("billing", "payments", b.Subscriber, handle)
 //	h.AddMiddleware(ib.Middleware)
+//
+// Topics must exist or be created by the brokers on first use (see New); package kafkatest's
+// cluster creates them with kafkatest.DefaultPartitions partitions.
 //
 // # Message ID
 //
@@ -21,7 +26,8 @@
 // Kafka's own coordinates of a record (partition, offset, timestamp, record key) describe
 // where and when it was stored, not which message it is; see BrokerSideFields. Never build an
 // inbox key from them: the same offset exists on every partition, and a replay into another
-// topic or partition renumbers everything.
+// topic or partition renumbers everything. For a business key in a metadata field use
+// inbox.MetadataKey(field, kafka.BrokerSideFields), which refuses these names.
 //
 // # At-least-once, as watermill-kafka v3.0.6 implements it
 //

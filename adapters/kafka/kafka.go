@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"fmt"
+	"net"
 	"strings"
 	"time"
 
@@ -10,8 +11,12 @@ import (
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
+
+// Name is the adapter's name in router configuration.
+const Name = "kafka"
 
 // Defaults that Config's zero values stand for.
 const (
@@ -320,13 +325,72 @@ func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (message.Publisher
 	return pub, nil
 }
 
+// New returns the broker: NewPublisher's publisher, NewSubscriber's consumer-group subscriber
+// (cfg.ConsumerGroup is required) and BrokerSideFields. The publisher connects at once; the
+// subscriber on Subscribe. Errors wrap inbox.ErrInvalidConfig for an invalid Config. A nil
+// logger discards logs.
+//
+// Topics are not created by the adapter: the brokers must create them on first use
+// (auto.create.topics.enable, Kafka's default, with num.partitions partitions) or an operator
+// must create them beforehand, the dead-letter topic included. A Publish to a missing topic
+// fails (the inbox then retries the delivery); a Subscribe to one retries every
+// ReconnectRetrySleep until it exists.
+func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	sub, err := NewSubscriber(cfg, logger)
+	if err != nil {
+		return nil, err
+	}
+	pub, err := NewPublisher(cfg, logger)
+	if err != nil {
+		_ = sub.Close()
+		return nil, err
+	}
+	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+}
+
+// ParseBrokers reads a broker list as configuration gives it: addresses "host:port" separated
+// by commas, optionally behind a kafka:// scheme (kafka://k1:9092,k2:9092); spaces around
+// entries and a trailing slash are ignored. It returns an error wrapping inbox.ErrInvalidConfig
+// for another scheme, an empty list or entry, or an entry that is not host:port.
+func ParseBrokers(s string) ([]string, error) {
+	rest := strings.TrimSpace(s)
+	if scheme, after, ok := strings.Cut(rest, "://"); ok {
+		if !strings.EqualFold(scheme, "kafka") {
+			return nil, invalid(fmt.Sprintf("broker list %q: scheme %q, want kafka:// or none", s, scheme))
+		}
+		rest = after
+	}
+	rest = strings.TrimSuffix(rest, "/")
+	if strings.TrimSpace(rest) == "" {
+		return nil, invalid("empty broker list")
+	}
+	var out []string
+	for i, b := range strings.Split(rest, ",") {
+		b = strings.TrimSpace(b)
+		if b == "" {
+			return nil, invalid(fmt.Sprintf("broker list %q: entry %d is empty", s, i))
+		}
+		if _, port, err := net.SplitHostPort(b); err != nil || port == "" {
+			return nil, invalid(fmt.Sprintf("broker list %q: entry %q is not host:port", s, b))
+		}
+		out = append(out, b)
+	}
+	return out, nil
+}
+
 // BrokerSideFields names the values watermill-kafka v3 exposes about a consumed record that
 // describe its storage or delivery rather than the message, each with the reason it is not a
 // message ID. watermill-kafka puts them in the message context, not in metadata (read them
 // with wmkafka.MessagePartitionFromCtx, MessagePartitionOffsetFromCtx, MessageTimestampFromCtx
 // and MessageKeyFromCtx); the names here are those of the context accessors and of
 // watermill-kafka's log fields, which are the names a metadata field copying them would
-// likely get. Keys are lower case. Never use one as the inbox key; MetadataKey refuses them.
+// likely get. Keys are lower case. Never use one as the inbox key: pass the map to
+// inbox.MetadataKey (inbox.MetadataKey(field, kafka.BrokerSideFields)), which refuses them
+// case-insensitively, and to inbox.Config.BrokerSideFields. New returns it as the Broker's
+// BrokerSideFields.
 var BrokerSideFields = map[string]string{
 	"partition":              "a Kafka partition number is shared by every record of the partition (MessagePartitionFromCtx)",
 	"kafka_partition":        "a Kafka partition number is shared by every record of the partition (watermill-kafka log field)",
@@ -339,16 +403,6 @@ var BrokerSideFields = map[string]string{
 	"kafka_timestamp":        "a Kafka record timestamp has millisecond precision and is set by the producer or, with LogAppendTime, by the broker on every append: distinct messages share it and a re-published copy gets a new one",
 	"key":                    "a Kafka record key is a partitioning key shared by every message of one entity (an account, an order), not unique per message (MessageKeyFromCtx)",
 	"kafka_key":              "a Kafka record key is a partitioning key shared by every message of one entity (an account, an order), not unique per message",
-}
-
-// MetadataKey is inbox.MetadataKey that also refuses the names in BrokerSideFields
-// (case-insensitively) with an error wrapping inbox.ErrBrokerSideKey. Use it instead of
-// inbox.MetadataKey for messages consumed from Kafka.
-func MetadataKey(field string) (inbox.KeyExtractor, error) {
-	if why, ok := BrokerSideFields[strings.ToLower(strings.TrimSpace(field))]; ok {
-		return nil, fmt.Errorf("%w: %q: %s", inbox.ErrBrokerSideKey, field, why)
-	}
-	return inbox.MetadataKey(field)
 }
 
 // partitioningMarshaler is watermill-kafka's DefaultMarshaler plus a record key from key; an

@@ -21,6 +21,12 @@ import (
 // NumBrokers is the number of brokers NewCluster starts.
 const NumBrokers = 3
 
+// DefaultPartitions is the partition count of a topic the cluster creates on first use: a
+// producer or consumer asking for the metadata of a topic that does not exist creates it
+// (Kafka's auto.create.topics.enable). Four, so four members of one consumer group can each
+// own a partition.
+const DefaultPartitions = 4
+
 // MinSessionTimeout is the cluster's group.min.session.timeout.ms: lower than Kafka's 6 s, so
 // tests can use short consumer-group session timeouts and see a killed consumer leave fast.
 const MinSessionTimeout = 100 * time.Millisecond
@@ -40,12 +46,15 @@ type Cluster struct {
 }
 
 // NewCluster starts a kfake cluster of NumBrokers brokers on loopback ports with topics
-// created, and closes it when t ends. It fails t if the cluster cannot start.
+// created, and closes it when t ends. Other topics are created on first use with
+// DefaultPartitions partitions. It fails t if the cluster cannot start.
 func NewCluster(t testing.TB, topics ...Topic) *Cluster {
 	t.Helper()
 	opts := []kfake.Opt{
 		kfake.NumBrokers(NumBrokers),
 		kfake.GroupMinSessionTimeout(MinSessionTimeout),
+		kfake.AllowAutoTopicCreation(),
+		kfake.DefaultNumPartitions(DefaultPartitions),
 	}
 	for _, tp := range topics {
 		if tp.Name == "" || tp.Partitions < 1 {
