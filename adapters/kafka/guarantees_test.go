@@ -63,3 +63,10 @@ func TestAdapterChild(t *testing.T) {
 	}
 	adaptertest.Child(t, matrixHarness(brokers))
 }
+
+// BenchmarkInboxVsBare: go test ./adapters/kafka -run '^$' -bench . -benchtime 1000x (on
+// kfake, an in-process Kafka: the figures say how much the inbox adds, not how fast Kafka is).
+func BenchmarkInboxVsBare(b *testing.B) {
+	cluster := kafkatest.NewCluster(b)
+	adaptertest.Benchmark(b, matrixHarness(cluster.Addrs()), 4)
+}
