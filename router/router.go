@@ -1,6 +1,6 @@
 // Package router builds a Watermill router for inbox-wrapped handlers from configuration: the
-// broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves from
-// RabbitMQ to PostgreSQL without a code change.
+// broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves between
+// PostgreSQL, RabbitMQ, NATS JetStream and Redis Streams without a code change.
 //
 //	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
 //	r, err := router.New(ctx, cfg, pool, logger)
@@ -24,35 +24,47 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
 
 // Brokers lists the broker names New accepts.
-var Brokers = []string{postgres.Name, amqp.Name}
+var Brokers = []string{postgres.Name, amqp.Name, nats.Name, redis.Name}
 
 // Config selects and addresses the broker.
 type Config struct {
-	// Broker is the adapter's name: "postgres" (default) or "amqp".
+	// Broker is the adapter's name: "postgres" (default), "amqp", "nats" or "redis".
 	Broker string `json:"broker"`
 	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
-	// the broker. For "amqp" it is the AMQP URI.
+	// the broker. For "amqp" it is the AMQP URI, for "nats" the NATS URL
+	// (nats://127.0.0.1:4222), for "redis" the Redis URL (redis://127.0.0.1:6379/0).
 	URL string `json:"url"`
 	// ConsumerGroup is the consumer group of the subscriber where the broker has one
-	// (postgres). Default: "watermill-inbox".
+	// (postgres: the offset row; nats: the durable consumer and deliver group, a valid
+	// JetStream consumer name; redis: the stream consumer group). Default: "watermill-inbox".
 	ConsumerGroup string `json:"consumer_group"`
 }
 
-// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL and INBOX_CONSUMER_GROUP, with
-// INBOX_AMQP_URL as the URL of "amqp" when INBOX_BROKER_URL is unset.
+// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL and INBOX_CONSUMER_GROUP. When
+// INBOX_BROKER_URL is unset, INBOX_AMQP_URL, INBOX_NATS_URL or INBOX_REDIS_URL is the URL of
+// "amqp", "nats" or "redis".
 func ConfigFromEnv() (Config, error) {
 	cfg := Config{
 		Broker:        os.Getenv("INBOX_BROKER"),
 		URL:           os.Getenv("INBOX_BROKER_URL"),
 		ConsumerGroup: os.Getenv("INBOX_CONSUMER_GROUP"),
 	}
-	if cfg.URL == "" && strings.EqualFold(cfg.Broker, amqp.Name) {
-		cfg.URL = os.Getenv("INBOX_AMQP_URL")
+	if cfg.URL == "" {
+		switch strings.ToLower(strings.TrimSpace(cfg.Broker)) {
+		case amqp.Name:
+			cfg.URL = os.Getenv("INBOX_AMQP_URL")
+		case nats.Name:
+			cfg.URL = os.Getenv("INBOX_NATS_URL")
+		case redis.Name:
+			cfg.URL = os.Getenv("INBOX_REDIS_URL")
+		}
 	}
 	cfg.setDefaults()
 	return cfg, cfg.Validate()
@@ -90,7 +102,7 @@ func (c *Config) setDefaults() {
 func (c Config) Validate() error {
 	switch c.Broker {
 	case postgres.Name:
-	case amqp.Name:
+	case amqp.Name, nats.Name, redis.Name:
 		if c.URL == "" {
 			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
 		}
@@ -110,6 +122,10 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 	switch cfg.Broker {
 	case amqp.Name:
 		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+	case nats.Name:
+		return nats.New(nats.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
+	case redis.Name:
+		return redis.New(redis.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	default:
 		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	}
