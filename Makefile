@@ -9,7 +9,7 @@ BROKER ?= postgres
 demo:
 	$(GO) run ./examples/billing -broker=$(BROKER)
 
-## test: vet, then every test against the real PostgreSQL and RabbitMQ, with the race detector.
+## test: vet, then every test against the real PostgreSQL, RabbitMQ, NATS and Redis, with the race detector.
 ## Packages run one at a time (-p 1): one test restarts PostgreSQL.
 test: vet
 	$(GO) test -race -count=1 -p 1 -timeout 20m ./...
@@ -21,6 +21,6 @@ vet:
 bench:
 	$(GO) test ./middleware -run '^$$' -bench InboxVsBareTx -benchtime 3000x -count 3
 
-## services: start PostgreSQL and RabbitMQ when they are down.
+## services: start PostgreSQL, RabbitMQ, Redis and NATS (JetStream) when they are down.
 services:
 	bash .ci/services

@@ -1,6 +1,6 @@
 // Package router builds a Watermill router for inbox-wrapped handlers from configuration: the
-// broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves from
-// RabbitMQ to PostgreSQL without a code change.
+// broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves between
+// PostgreSQL, RabbitMQ, NATS JetStream and Redis Streams without a code change.
 //
 //	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
 //	r, err := router.New(ctx, cfg, pool, logger)
@@ -25,27 +25,34 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
+	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
 
 // Brokers lists the broker names New accepts.
-var Brokers = []string{postgres.Name, amqp.Name, kafka.Name, sqs.Name}
+var Brokers = []string{postgres.Name, amqp.Name, kafka.Name, sqs.Name, nats.Name, redis.Name}
 
 // Config selects and addresses the broker.
 type Config struct {
-	// Broker is the adapter's name: "postgres" (default), "amqp", "kafka" or "sqs".
+	// Broker is the adapter's name: "postgres" (default), "amqp", "kafka", "sqs", "nats" or
+	// "redis".
 	Broker string `json:"broker"`
 	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
 	// the broker. For "amqp" it is the AMQP URI. For "kafka" it is the bootstrap brokers,
 	// comma-separated host:port, optionally behind kafka:// (kafka://k1:9092,k2:9092). For
 	// "sqs" it is optional: an endpoint that replaces the one AWS resolves from the region
 	// (e.g. a local SQS-compatible endpoint); region and credentials come from the AWS SDK's
-	// default resolution (AWS_REGION, AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...).
+	// default resolution (AWS_REGION, AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...). For
+	// "nats" it is the NATS URL (nats://127.0.0.1:4222), for "redis" the Redis URL
+	// (redis://127.0.0.1:6379/0).
 	URL string `json:"url"`
 	// ConsumerGroup is the consumer group of the subscriber where the broker has one
-	// (postgres, kafka). Default: "watermill-inbox".
+	// (postgres: the offset row; kafka: the consumer group; nats: the durable consumer and
+	// deliver group, a valid JetStream consumer name; redis: the stream consumer group).
+	// Default: "watermill-inbox".
 	ConsumerGroup string `json:"consumer_group"`
 	// SQSQueryProtocol makes the "sqs" broker speak the AWS query protocol instead of the
 	// SDK's default JSON protocol. Amazon SQS speaks both: leave it off against AWS. Set it
@@ -53,17 +60,24 @@ type Config struct {
 	SQSQueryProtocol bool `json:"sqs_query_protocol"`
 }
 
-// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL and INBOX_CONSUMER_GROUP, with
-// INBOX_AMQP_URL as the URL of "amqp" when INBOX_BROKER_URL is unset, and
-// INBOX_SQS_QUERY_PROTOCOL=1 for SQSQueryProtocol.
+// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP and
+// INBOX_SQS_QUERY_PROTOCOL. When INBOX_BROKER_URL is unset, INBOX_AMQP_URL, INBOX_NATS_URL or
+// INBOX_REDIS_URL is the URL of "amqp", "nats" or "redis".
 func ConfigFromEnv() (Config, error) {
 	cfg := Config{
 		Broker:        os.Getenv("INBOX_BROKER"),
 		URL:           os.Getenv("INBOX_BROKER_URL"),
 		ConsumerGroup: os.Getenv("INBOX_CONSUMER_GROUP"),
 	}
-	if cfg.URL == "" && strings.EqualFold(cfg.Broker, amqp.Name) {
-		cfg.URL = os.Getenv("INBOX_AMQP_URL")
+	if cfg.URL == "" {
+		switch strings.ToLower(strings.TrimSpace(cfg.Broker)) {
+		case amqp.Name:
+			cfg.URL = os.Getenv("INBOX_AMQP_URL")
+		case nats.Name:
+			cfg.URL = os.Getenv("INBOX_NATS_URL")
+		case redis.Name:
+			cfg.URL = os.Getenv("INBOX_REDIS_URL")
+		}
 	}
 	if err := sqsFromEnv(&cfg); err != nil {
 		return cfg, err
@@ -104,7 +118,7 @@ func (c *Config) setDefaults() {
 func (c Config) Validate() error {
 	switch c.Broker {
 	case postgres.Name:
-	case amqp.Name:
+	case amqp.Name, nats.Name, redis.Name:
 		if c.URL == "" {
 			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
 		}
@@ -138,6 +152,10 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	case sqs.Name:
 		return newSQSBroker(cfg, logger)
+	case nats.Name:
+		return nats.New(nats.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
+	case redis.Name:
+		return redis.New(redis.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	default:
 		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	}

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	natsgo "github.com/nats-io/nats.go"
+	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
@@ -41,6 +43,17 @@ func TestConfigFromEnvAndFile(t *testing.T) {
 		if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
 			t.Fatalf("kafka with URL %q: %v, want inbox.ErrInvalidConfig", url, err)
 		}
+	}
+	t.Setenv("INBOX_BROKER_URL", "")
+	t.Setenv("INBOX_BROKER", "nats")
+	t.Setenv("INBOX_NATS_URL", "nats://127.0.0.1:4222")
+	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.URL != "nats://127.0.0.1:4222" {
+		t.Fatalf("ConfigFromEnv = %+v, %v", cfg, err)
+	}
+	t.Setenv("INBOX_BROKER", "redis")
+	t.Setenv("INBOX_REDIS_URL", "")
+	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("redis without a URL: %v", err)
 	}
 	t.Setenv("INBOX_BROKER", "carrier-pigeon")
 	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
@@ -96,6 +109,8 @@ func TestSameHandlerOnEachBroker(t *testing.T) {
 		{Broker: "amqp", URL: testenv.RequireAMQP(t)},
 		{Broker: "kafka", URL: "kafka://" + strings.Join(kafkaCluster.Addrs(), ",")},
 		{Broker: "sqs", URL: sqstest.Endpoint(), SQSQueryProtocol: true}, // goaws, in-process
+		{Broker: "nats", URL: testenv.RequireNATS(t)},
+		{Broker: "redis", URL: testenv.RequireRedis(t)},
 	} {
 		t.Run(cfg.Broker, func(t *testing.T) {
 			sch := testenv.NewSchema(t, 8)
@@ -120,6 +135,7 @@ func TestSameHandlerOnEachBroker(t *testing.T) {
 				t.Fatal(err)
 			}
 			topic := "entries_" + sch.Name
+			t.Cleanup(func() { deleteTopic(t, cfg, topic) })
 			r.AddConsumer(ib, topic, func(msg *message.Message) error { // the handler, identical on every broker
 				tx, _ := pgstore.TxFromContext(msg.Context())
 				_, err := tx.Exec(msg.Context(), "INSERT INTO ledger VALUES ($1)", msg.UUID)
@@ -142,5 +158,30 @@ func TestSameHandlerOnEachBroker(t *testing.T) {
 				t.Fatalf("ledger rows %d, stats %+v; want 2 rows, 2 processed, 1 duplicate", n, s)
 			}
 		})
+	}
+}
+
+// deleteTopic removes the stream a NATS or Redis run left on the server (RabbitMQ's queue is
+// auto-deleted with its consumer; PostgreSQL's tables go with the schema).
+func deleteTopic(t *testing.T, cfg router.Config, topic string) {
+	switch cfg.Broker {
+	case "nats":
+		nc, err := natsgo.Connect(cfg.URL)
+		if err != nil {
+			t.Logf("cleanup: %v", err)
+			return
+		}
+		defer nc.Close()
+		if js, err := nc.JetStream(); err == nil {
+			_ = js.DeleteStream(topic)
+		}
+	case "redis":
+		opts, err := goredis.ParseURL(cfg.URL)
+		if err != nil {
+			return
+		}
+		c := goredis.NewClient(opts)
+		defer c.Close()
+		_ = c.Del(context.Background(), topic).Err()
 	}
 }

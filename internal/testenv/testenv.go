@@ -1,4 +1,5 @@
-// Package testenv connects tests to the real services on the machine: PostgreSQL and RabbitMQ.
+// Package testenv connects tests to the real services on the machine: PostgreSQL, RabbitMQ,
+// NATS JetStream and Redis.
 // A missing service fails the test with a hint on how to start it; it never skips.
 package testenv
 
@@ -127,6 +128,62 @@ func RequireAMQP(t testing.TB) string {
 	}
 	_ = c.Close()
 	return AMQPURL()
+}
+
+// DefaultNATSURL is used when INBOX_NATS_URL is unset.
+const DefaultNATSURL = "nats://127.0.0.1:4222"
+
+// DefaultRedisURL is used when INBOX_REDIS_URL is unset.
+const DefaultRedisURL = "redis://127.0.0.1:6379/0"
+
+// NATSURL returns INBOX_NATS_URL or DefaultNATSURL.
+func NATSURL() string {
+	if v := os.Getenv("INBOX_NATS_URL"); v != "" {
+		return v
+	}
+	return DefaultNATSURL
+}
+
+// RedisURL returns INBOX_REDIS_URL or DefaultRedisURL.
+func RedisURL() string {
+	if v := os.Getenv("INBOX_REDIS_URL"); v != "" {
+		return v
+	}
+	return DefaultRedisURL
+}
+
+// RequireNATS fails t when the NATS server does not accept TCP connections at NATSURL.
+// Whether JetStream is on is checked by the adapter, which fails to connect without it.
+func RequireNATS(t testing.TB) string {
+	t.Helper()
+	requireTCP(t, "NATS", NATSURL(), "4222",
+		"start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log")
+	return NATSURL()
+}
+
+// RequireRedis fails t when Redis does not accept TCP connections at RedisURL.
+func RequireRedis(t testing.TB) string {
+	t.Helper()
+	requireTCP(t, "Redis", RedisURL(), "6379",
+		`redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log`)
+	return RedisURL()
+}
+
+func requireTCP(t testing.TB, what, raw, defaultPort, start string) {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil || u.Hostname() == "" {
+		t.Fatalf("%s URL %q is not a URL with a host", what, redact(raw))
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host = net.JoinHostPort(u.Hostname(), defaultPort)
+	}
+	c, err := net.DialTimeout("tcp", host, 5*time.Second)
+	if err != nil {
+		t.Fatalf("%s is not reachable at %s: %v\nstart it with: %s", what, host, err, start)
+	}
+	_ = c.Close()
 }
 
 // redact removes the password from a URL for error messages.
