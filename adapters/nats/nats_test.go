@@ -29,7 +29,7 @@ const ackWait = 2 * time.Second
 
 // testConfig is the adapter's configuration in these tests: a short AckWait, and streams
 // that expire their messages after an hour should a test leave one behind.
-func testConfig(t *testing.T, group string) nats.Config {
+func testConfig(t testing.TB, group string) nats.Config {
 	return nats.Config{
 		URL:           testenv.RequireNATS(t),
 		ConsumerGroup: group,
@@ -39,7 +39,7 @@ func testConfig(t *testing.T, group string) nats.Config {
 }
 
 // newBroker connects and deletes, when t ends, every stream the broker touched.
-func newBroker(t *testing.T, cfg nats.Config) (*adapters.Broker, error) {
+func newBroker(t testing.TB, cfg nats.Config) (*adapters.Broker, error) {
 	b, err := nats.New(cfg, watermill.NopLogger{})
 	if err != nil {
 		return nil, err
@@ -51,7 +51,7 @@ func newBroker(t *testing.T, cfg nats.Config) (*adapters.Broker, error) {
 	return b, nil
 }
 
-func harness(t *testing.T) adaptertest.Harness {
+func harness(t testing.TB) adaptertest.Harness {
 	return adaptertest.Harness{
 		NewBroker: func(_ *pgxpool.Pool, group string) (*adapters.Broker, error) {
 			return newBroker(t, testConfig(t, group))
@@ -323,7 +323,7 @@ func (s *recordingSubscriber) Subscribe(ctx context.Context, topic string) (<-ch
 }
 
 // deleteStreams removes the streams (and their consumers) a test created.
-func deleteStreams(t *testing.T, url string, names []string) {
+func deleteStreams(t testing.TB, url string, names []string) {
 	if len(names) == 0 {
 		return
 	}
@@ -344,3 +344,6 @@ func deleteStreams(t *testing.T, url string, names []string) {
 		}
 	}
 }
+
+// BenchmarkInboxVsBare: go test ./adapters/nats -run '^$' -bench . -benchtime 900x
+func BenchmarkInboxVsBare(b *testing.B) { adaptertest.Benchmark(b, harness(b), 4) }

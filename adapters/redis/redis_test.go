@@ -29,7 +29,7 @@ import (
 const maxIdle = time.Second
 
 // testConfig is the adapter's configuration in these tests: short claim and resend times.
-func testConfig(t *testing.T, group string) redis.Config {
+func testConfig(t testing.TB, group string) redis.Config {
 	return redis.Config{
 		URL:             testenv.RequireRedis(t),
 		ConsumerGroup:   group,
@@ -40,7 +40,7 @@ func testConfig(t *testing.T, group string) redis.Config {
 }
 
 // newBroker connects and deletes, when t ends, every stream the broker touched.
-func newBroker(t *testing.T, cfg redis.Config) (*adapters.Broker, error) {
+func newBroker(t testing.TB, cfg redis.Config) (*adapters.Broker, error) {
 	b, err := redis.New(cfg, watermill.NopLogger{})
 	if err != nil {
 		return nil, err
@@ -52,7 +52,7 @@ func newBroker(t *testing.T, cfg redis.Config) (*adapters.Broker, error) {
 	return b, nil
 }
 
-func harness(t *testing.T) adaptertest.Harness {
+func harness(t testing.TB) adaptertest.Harness {
 	return adaptertest.Harness{
 		NewBroker: func(_ *pgxpool.Pool, group string) (*adapters.Broker, error) {
 			return newBroker(t, testConfig(t, group))
@@ -265,7 +265,7 @@ func TestPendingEntryClaimedByNewConsumer(t *testing.T) {
 	}
 }
 
-func client(t *testing.T) *goredis.Client {
+func client(t testing.TB) *goredis.Client {
 	opts, err := goredis.ParseURL(testenv.RequireRedis(t))
 	if err != nil {
 		t.Fatal(err)
@@ -320,7 +320,7 @@ func (s *recordingSubscriber) Subscribe(ctx context.Context, topic string) (<-ch
 }
 
 // deleteStreams removes the streams (and their groups) a test created.
-func deleteStreams(t *testing.T, url string, keys []string) {
+func deleteStreams(t testing.TB, url string, keys []string) {
 	if len(keys) == 0 {
 		return
 	}
@@ -334,3 +334,6 @@ func deleteStreams(t *testing.T, url string, keys []string) {
 		t.Logf("cleanup: %v", err)
 	}
 }
+
+// BenchmarkInboxVsBare: go test ./adapters/redis -run '^$' -bench . -benchtime 900x
+func BenchmarkInboxVsBare(b *testing.B) { adaptertest.Benchmark(b, harness(b), 4) }
