@@ -2,7 +2,8 @@ package tests
 
 // This file runs the demo, examples/billing (what `make demo` runs), end to end as a user would:
 // built into a binary, run against the machine's PostgreSQL and RabbitMQ, judged by its exit
-// status and its summary. The demo itself crashes its consumer twice and verifies the balances.
+// status and its summary. The demo itself crashes its consumer three times and verifies the
+// balances, the dead-lettered poison payments and the receipts counted downstream.
 //
 // These tests are deliberately not t.Parallel: pgrestart_test.go restarts the shared PostgreSQL
 // server and must not overlap with anything that uses it.
@@ -51,6 +52,7 @@ func demoRun(t *testing.T, broker string) string {
 	cmd := exec.CommandContext(ctx, bin,
 		"-broker="+broker,
 		"-messages=400", "-accounts=20", "-dup-ratio=0.25",
+		"-poison=3", "-max-attempts=3",
 		"-timeout=100s")
 	cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+testenv.DatabaseURL(), "INBOX_AMQP_URL="+testenv.AMQPURL())
 	var stdout, stderr bytes.Buffer
@@ -75,10 +77,18 @@ func demoRun(t *testing.T, broker string) string {
 		`^published\s+500 deliveries: 400 unique payments over 20 accounts \+ 100 re-sent with the same UUID`,
 		`^consumer #1 SIGKILLed itself right after the inbox committed its 100th message, before the router acked it`,
 		`^consumer #2 SIGKILLed by the orchestrator mid-stream, with a delivery claimed but uncommitted .*; inbox rows \d+/400$`,
-		`^consumer #3 stopped with SIGTERM once the inbox was complete and the broker drained`,
+		`^published\s+3 payments to frozen account 21: poison messages`,
+		// The crash inside a poison payment's handler, between two of its attempts.
+		`^consumer #3 SIGKILLed itself in the handler of poison payment \S+, on its attempt 2 of 3 .*; its inbox attempts row says 2$`,
+		`^consumer #4 stopped with SIGTERM once every payment was processed or dead-lettered, every receipt counted and the broker drained`,
 		`^inbox rows\s+400 = 400 unique message IDs`,
-		`^balances\s+verified: 20/20 accounts equal the sum of their unique payments`,
-		`^restarts\s+2 `,
+		`^balances\s+verified: 20/20 accounts equal the sum of their unique payments .*; frozen account 21: 0$`,
+		// Each poison payment: one dead letter, read back from the broker; attempts row at 3;
+		// 3 handler runs in all, from the rejection log written outside the inbox transaction.
+		`^poison\s+dead-lettered 3/3 after 3 attempts each: each once on topic \S*payments_dead_letters, its attempts row at 3 and dead-lettered; handler ran 9 times, 3 per payment \(consumer #3: \d+, #4: \d+\); no balance changed$`,
+		// One receipt per unique payment: outbox, relay, and the downstream inbox.
+		`^receipts\s+counted 400 = 400 unique payments, one each, by the receipts inbox; it skipped \d+ duplicates`,
+		`^restarts\s+3 `,
 	} {
 		if !regexp.MustCompile(`(?m)` + want).MatchString(out) {
 			t.Errorf("output has no line matching %q", want)
@@ -138,25 +148,33 @@ func demoCheckSchemaDropped(t *testing.T, out string) {
 	}
 }
 
-// demoCheckQueueDeleted checks that a successful AMQP run deleted its queue.
+// demoCheckQueueDeleted checks that a successful AMQP run deleted its queues: payments, dead
+// letters and receipts.
 func demoCheckQueueDeleted(t *testing.T, out string) {
 	t.Helper()
 	m := demoTopicRE.FindStringSubmatch(out)
 	if m == nil {
 		t.Fatalf("no topic in the output")
 	}
+	prefix, ok := strings.CutSuffix(m[1], "payments")
+	if !ok {
+		t.Fatalf("topic %q does not end in payments", m[1])
+	}
 	conn, err := amqp.NewConnection(amqp.ConnectionConfig{AmqpURI: testenv.AMQPURL()}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	ch, err := conn.Connection().Channel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ch.Close()
-	// A passive declare of a missing queue fails with 404 NOT_FOUND (and closes the channel).
-	if q, err := ch.QueueDeclarePassive(m[1], true, false, false, false, nil); err == nil {
-		t.Errorf("queue %s still exists after a successful run (%d messages)", q.Name, q.Messages)
+	for _, queue := range []string{m[1], prefix + "payments_dead_letters", prefix + "receipts"} {
+		// A passive declare of a missing queue fails with 404 NOT_FOUND and closes the
+		// channel, so each queue gets a channel of its own.
+		ch, err := conn.Connection().Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil); err == nil {
+			t.Errorf("queue %s still exists after a successful run (%d messages)", q.Name, q.Messages)
+		}
+		_ = ch.Close()
 	}
 }

@@ -51,8 +51,16 @@ func (w lockedWriter) Write(p []byte) (int, error) {
 	return w.c.stderr.Write(p)
 }
 
+// crashPoint says where a consumer SIGKILLs itself; the zero value: never.
+type crashPoint struct {
+	// afterCommits: right after the inbox committed this many payments, before the ack.
+	afterCommits int
+	// onRejection: in the handler, when a poison payment is rejected for this many times.
+	onRejection int
+}
+
 // startConsumer re-executes this binary with -role=consumer.
-func (d *demo) startConsumer(crashAfter int) (*child, error) {
+func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("find own executable: %w", err)
@@ -62,9 +70,14 @@ func (d *demo) startConsumer(crashAfter int) (*child, error) {
 	c.cmd = exec.Command(exe,
 		"-role="+roleConsumer,
 		"-broker="+d.o.broker,
+		fmt.Sprintf("-run=%d", c.n),
 		"-schema="+d.schema,
-		"-topic="+d.topic,
-		fmt.Sprintf("-crash-after=%d", crashAfter),
+		"-topic="+d.topics.payments,
+		"-dead-letter-topic="+d.topics.deadLetters,
+		"-receipts-topic="+d.topics.receipts,
+		fmt.Sprintf("-max-attempts=%d", d.o.maxAttempts),
+		fmt.Sprintf("-crash-after=%d", crash.afterCommits),
+		fmt.Sprintf("-crash-on-rejection=%d", crash.onRejection),
 		fmt.Sprintf("-amqp-consumers=%d", d.o.amqpConsumers),
 		"-app-name="+d.consumerAppName(c.n),
 	)

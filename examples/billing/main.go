@@ -1,27 +1,38 @@
 //go:build unix
 
 // Command billing is the watermill-inbox demo: an account-balance consumer that is killed on
-// purpose, twice, while payments are in flight, and still applies every payment exactly once.
+// purpose, three times, while payments are in flight, and still applies every payment exactly
+// once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
+// and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run ./examples/billing [-broker=postgres|amqp] [-messages=3000] [-accounts=50] [-dup-ratio=0.2]
+//	go run ./examples/billing [-broker=postgres|amqp] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
-// inbox into it, creates an accounts table, publishes the payments (and re-sends a share of them
-// with the same message UUID), then runs the consumer as a child process (itself, re-executed with
-// -role=consumer) three times:
+// inbox and the outbox into it, creates the accounts (one of them frozen), publishes the
+// payments (and re-sends a share of them with the same message UUID), then runs the consumer as
+// a child process (itself, re-executed with -role=consumer) four times:
 //
 //  1. the consumer SIGKILLs itself right after the inbox committed its K-th message and before
 //     the router acked it (the crash the inbox pattern exists for);
 //  2. the orchestrator SIGKILLs the consumer mid-stream, while one delivery has claimed its
 //     message ID and waits inside its uncommitted transaction on a row lock the orchestrator
 //     holds on one account (see killMidStream: the moment is made certain, not timed);
-//  3. the consumer runs until every unique payment is in the inbox and the broker has nothing
-//     left, then is stopped with SIGTERM.
+//  3. the orchestrator publishes -poison payments to the frozen account, which the handler
+//     rejects on every attempt with an ordinary error; the consumer SIGKILLs itself inside the
+//     handler of one of them, on its second-to-last attempt, so the inbox's durable attempt
+//     count has to carry over to the next process;
+//  4. the consumer runs until every unique payment is in the inbox, every poison payment is on
+//     the dead-letter topic, every receipt is counted and the broker has nothing left, then is
+//     stopped with SIGTERM.
 //
-// The broker's own redelivery drives every retry. Finally the orchestrator checks that each
-// balance equals the sum of that account's unique payments and that the inbox holds one row per
-// unique message ID, prints a summary, and exits with status 0 and a last line "OK", or status 1
-// and "FAIL: <reason>".
+// Every consumer also runs the outbox relay, which publishes the receipts the billing handler
+// returned (stored in the inbox transaction) to the receipts topic, and a downstream consumer
+// with an inbox of its own that counts them. The broker's own redelivery drives every retry.
+// Finally the orchestrator checks that each balance equals the sum of that account's unique
+// payments, that the inbox holds one row per unique message ID, that each poison payment is on
+// the dead-letter topic once after exactly -max-attempts handler runs, and that there is one
+// receipt per unique payment; it prints a summary, and exits with status 0 and a last line
+// "OK", or status 1 and "FAIL: <reason>".
 //
 // Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
 // and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/).
@@ -57,13 +68,19 @@ type options struct {
 	seed          uint64
 	timeout       time.Duration
 	amqpConsumers int
+	poison        int
+	maxAttempts   int
 	verbose       bool
 
 	// Consumer role only, set by the orchestrator.
-	schema     string
-	topic      string
-	crashAfter int
-	appName    string
+	run              int
+	schema           string
+	topic            string
+	deadLetterTopic  string
+	receiptsTopic    string
+	crashAfter       int
+	crashOnRejection int
+	appName          string
 }
 
 func parseFlags(args []string) (options, error) {
@@ -71,16 +88,22 @@ func parseFlags(args []string) (options, error) {
 	fs := flag.NewFlagSet("billing", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", roleOrchestrator, "orchestrator (default) or consumer (internal: the orchestrator starts the consumer)")
 	fs.StringVar(&o.broker, "broker", brokerPostgres, "message broker: postgres (watermill-sql on the same database) or amqp (RabbitMQ at INBOX_AMQP_URL)")
-	fs.IntVar(&o.messages, "messages", 3000, "unique payment messages to publish (at least 20)")
+	fs.IntVar(&o.messages, "messages", 2000, "unique payment messages to publish (at least 20)")
 	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
 	fs.Uint64Var(&o.seed, "seed", 0, "random seed of the workload (0: derived from the clock; printed in the summary)")
 	fs.DurationVar(&o.timeout, "timeout", 120*time.Second, "overall deadline; the run reports FAIL when it passes")
 	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "concurrent AMQP subscriptions (channels) in the consumer, each with prefetch 16")
+	fs.IntVar(&o.poison, "poison", 3, "payments to the frozen account: poison messages the handler rejects on every attempt (at least 1)")
+	fs.IntVar(&o.maxAttempts, "max-attempts", 3, "inbox MaxAttempts: handler runs before a message is dead-lettered (at least 3: the mid-stream kill may cost a payment two attempts)")
 	fs.BoolVar(&o.verbose, "v", false, "copy the consumers' logs (stderr) to stderr as they run")
+	fs.IntVar(&o.run, "run", 0, "consumer role: run number of this consumer, written to the rejection log")
 	fs.StringVar(&o.schema, "schema", "", "consumer role: PostgreSQL schema of this run")
 	fs.StringVar(&o.topic, "topic", "", "consumer role: topic to consume")
+	fs.StringVar(&o.deadLetterTopic, "dead-letter-topic", "", "consumer role: the inbox's dead-letter topic")
+	fs.StringVar(&o.receiptsTopic, "receipts-topic", "", "consumer role: topic the receipts are relayed to and counted from")
 	fs.IntVar(&o.crashAfter, "crash-after", 0, "consumer role: SIGKILL this process right after the inbox committed this many messages (0: never)")
+	fs.IntVar(&o.crashOnRejection, "crash-on-rejection", 0, "consumer role: SIGKILL this process in the handler, when a poison payment is rejected for the N-th time (0: never)")
 	fs.StringVar(&o.appName, "app-name", "billing-demo-consumer", "consumer role: PostgreSQL application_name of the consumer's connections")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -103,8 +126,12 @@ func parseFlags(args []string) (options, error) {
 		return o, errors.New("-timeout must be positive")
 	case o.amqpConsumers < 1:
 		return o, errors.New("-amqp-consumers must be at least 1")
-	case o.role == roleConsumer && (o.schema == "" || o.topic == ""):
-		return o, errors.New("-role=consumer needs -schema and -topic")
+	case o.poison < 1:
+		return o, errors.New("-poison must be at least 1")
+	case o.maxAttempts < 3:
+		return o, errors.New("-max-attempts must be at least 3: the mid-stream kill may cost a payment two attempts (its delivery and its re-sent duplicate), and it must still be applied")
+	case o.role == roleConsumer && (o.schema == "" || o.topic == "" || o.deadLetterTopic == "" || o.receiptsTopic == ""):
+		return o, errors.New("-role=consumer needs -schema, -topic, -dead-letter-topic and -receipts-topic")
 	}
 	return o, nil
 }

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/signal"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -22,6 +23,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -39,12 +42,14 @@ type demo struct {
 	o     options
 	out   io.Writer
 	runID string
-	// schema holds everything of the run: the inbox, accounts and watermill-sql's tables.
-	schema   string
-	topic    string
-	pool     *pgxpool.Pool
-	store    *pgstore.Store
-	accounts string // quoted, schema-qualified
+	// schema holds everything of the run: the inbox, the outbox, the business tables and
+	// watermill-sql's tables.
+	schema string
+	topics topics
+	pool   *pgxpool.Pool
+	store  *pgstore.Store
+	// accounts, rejections, receipts: the business tables, quoted, schema-qualified.
+	accounts, rejections, receipts string
 	// schemaCreated: the schema exists, drop it on success, keep it on failure.
 	schemaCreated bool
 	broker        brokerAdmin
@@ -99,31 +104,23 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	}
 	d.runID = hex.EncodeToString(b[:])
 	d.schema = "billing_demo_" + d.runID
-	d.topic = sqlTopic
-	if d.o.broker == brokerAMQP {
-		d.topic = "billing_demo_" + d.runID + "_payments" // the queue's name
-	}
+	d.topics = runTopics(d.o.broker, d.runID)
 	seed := d.o.seed
 	if seed == 0 {
 		seed = uint64(time.Now().UnixNano())
 	}
-	fmt.Fprintf(d.out, "billing demo: broker=%s schema=%s topic=%s seed=%d\n", d.o.broker, d.schema, d.topic, seed)
+	fmt.Fprintf(d.out, "billing demo: broker=%s schema=%s topic=%s seed=%d\n", d.o.broker, d.schema, d.topics.payments, seed)
 
 	pool, err := openPool(ctx, d.schema, "billing-demo-"+d.runID+"-orchestrator", 4)
 	if err != nil {
 		return err
 	}
 	d.pool = pool
-	// Connect to the broker before creating anything, so an unreachable broker leaves no schema.
+	// Connect to RabbitMQ before creating anything, so an unreachable broker leaves no schema.
+	// watermill-sql's topics are tables in the run's schema: created after it.
 	logger := watermill.NopLogger{}
 	if d.o.broker == brokerAMQP {
-		b, err := newAMQPAdmin(d.topic, logger)
-		if err != nil {
-			return err
-		}
-		d.broker = b
-	} else {
-		b, err := newSQLAdmin(d.pool, d.schema, logger)
+		b, err := newAMQPAdmin(d.topics, logger)
 		if err != nil {
 			return err
 		}
@@ -132,7 +129,14 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	if err := d.setup(ctx); err != nil {
 		return err
 	}
-	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio)
+	if d.o.broker == brokerPostgres {
+		b, err := newSQLAdmin(d.pool, d.schema, d.topics, logger)
+		if err != nil {
+			return err
+		}
+		d.broker = b
+	}
+	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison)
 	if err != nil {
 		return err
 	}
@@ -149,7 +153,7 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 
 	// 1. Crash after commit, before ack.
 	k := max(1, len(w.ids)/4)
-	c1, err := d.startConsumer(k)
+	c1, err := d.startConsumer(crashPoint{afterCommits: k})
 	if err != nil {
 		return err
 	}
@@ -181,18 +185,38 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	fmt.Fprintf(d.out, "consumer #2 SIGKILLed by the orchestrator mid-stream, with a delivery claimed but uncommitted (blocked on a row lock of account %d); committed %d; inbox rows %d/%d\n",
 		lockedAccount, rows2-rows1, rows2, unique)
 
-	// 3. Run to the end, stop gracefully.
-	c3, completeAt, err := d.runToCompletion(ctx)
+	// 3. Poison payments; a crash between two of one's attempts.
+	if err := d.broker.Publish(w.poison); err != nil {
+		return err
+	}
+	fmt.Fprintf(d.out, "published   %d payments to frozen account %d: poison messages, which the handler rejects on every attempt with an ordinary error\n",
+		len(w.poison), w.frozenAccount)
+	r3, err := d.crashInPoison(ctx)
+	if err != nil {
+		return err
+	}
+	attempts3, err := d.attemptsOf(ctx, r3.Rejected)
+	if err != nil {
+		return err
+	}
+	if attempts3 != r3.RejectedRun {
+		return fmt.Errorf("poison payment %s: the inbox counted %d attempts for %d handler runs", r3.Rejected, attempts3, r3.RejectedRun)
+	}
+	fmt.Fprintf(d.out, "consumer #3 SIGKILLed itself in the handler of poison payment %s, on its attempt %d of %d (rejection logged, transaction open); its inbox attempts row says %d\n",
+		r3.Rejected, r3.RejectedRun, d.o.maxAttempts, attempts3)
+
+	// 4. Run to the end, stop gracefully.
+	c4, completeAt, err := d.runToCompletion(ctx)
 	if err != nil {
 		return err
 	}
 	consumeTime := completeAt.Sub(consumeStart)
-	r3, ok := c3.report(lineStats)
+	r4, ok := c4.report(lineStats)
 	if !ok {
-		return d.childFailure(c3, errors.New("consumer #3 exited without its STATS report"))
+		return d.childFailure(c4, errors.New("consumer #4 exited without its STATS report"))
 	}
-	fmt.Fprintf(d.out, "consumer #3 stopped with SIGTERM once the inbox was complete and the broker drained (processed %d, duplicates skipped %d, failed %d)\n",
-		r3.Processed, r3.Duplicates, r3.Failed)
+	fmt.Fprintf(d.out, "consumer #4 stopped with SIGTERM once every payment was processed or dead-lettered, every receipt counted and the broker drained (processed %d, duplicates skipped %d, dead-lettered %d, failed %d)\n",
+		r4.Processed, r4.Duplicates, r4.DeadLettered, r4.Failed)
 	pendingAfter, err := d.broker.Pending(ctx)
 	if err != nil {
 		return err
@@ -213,19 +237,32 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(d.out, "balances    verified: %d/%d accounts equal the sum of their unique payments (%d cents in total)\n",
-		d.o.accounts, d.o.accounts, total)
-	fmt.Fprintf(d.out, "duplicates  %d deliveries skipped by the inbox, counted by consumers #1 and #3 (published duplicates and crash redeliveries; consumer #2's counters died with it)\n",
-		r1.Duplicates+r3.Duplicates)
+	fmt.Fprintf(d.out, "balances    verified: %d/%d accounts equal the sum of their unique payments (%d cents in total); frozen account %d: 0\n",
+		d.o.accounts, d.o.accounts, total, w.frozenAccount)
+	runs, err := d.verifyPoison(ctx)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(d.out, "poison      dead-lettered %d/%d after %d attempts each: each once on topic %s, its attempts row at %d and dead-lettered; handler ran %d times, %d per payment (%s); no balance changed\n",
+		len(w.poisonIDs), len(w.poisonIDs), d.o.maxAttempts, d.topics.deadLetters, d.o.maxAttempts, runs.total, d.o.maxAttempts, runs.byConsumer())
+	if err := d.verifyReceipts(ctx, unique, total); err != nil {
+		return err
+	}
+	fmt.Fprintf(d.out, "receipts    counted %d = %d unique payments, one each, by the receipts inbox; it skipped %d duplicates (relay republishes and crash redeliveries, counted by consumers #1, #3 and #4)\n",
+		unique, unique, r1.ReceiptsDuplicates+r3.ReceiptsDuplicates+r4.ReceiptsDuplicates)
+	fmt.Fprintf(d.out, "duplicates  %d deliveries skipped by the billing inbox, counted by consumers #1, #3 and #4 (published duplicates and crash redeliveries; consumer #2's counters died with it)\n",
+		r1.Duplicates+r3.Duplicates+r4.Duplicates)
 	fmt.Fprintf(d.out, "broker      %d left after the stop (%s)\n", pendingAfter, d.broker.PendingMeaning())
-	fmt.Fprintf(d.out, "restarts    2 (consumer started 3 times; 2 crashes: after commit before ack, and mid-transaction)\n")
+	fmt.Fprintf(d.out, "restarts    3 (consumer started 4 times; 3 crashes: after commit before ack, mid-transaction, inside a poison payment's handler)\n")
 	secs := consumeTime.Seconds()
 	fmt.Fprintf(d.out, "elapsed     %.1fs in total; consumers ran %.1fs: %.0f unique payments/s, %.0f published deliveries/s\n",
 		time.Since(start).Seconds(), secs, float64(unique)/secs, float64(len(w.deliveries))/secs)
 	return nil
 }
 
-// setup creates the run's schema, migrates the inbox into it and creates the accounts.
+// setup creates the run's schema, migrates the inbox and creates the outbox in it, and creates
+// the business tables: the accounts (one more than -accounts, frozen), the rejection log and
+// the receipts counted downstream.
 func (d *demo) setup(ctx context.Context) error {
 	pool := d.pool
 	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{d.schema}.Sanitize()); err != nil {
@@ -240,11 +277,25 @@ func (d *demo) setup(ctx context.Context) error {
 	if _, err := d.store.Migrate(ctx); err != nil {
 		return err
 	}
-	d.accounts = qualified(d.schema, "accounts")
-	if _, err := pool.Exec(ctx, "CREATE TABLE "+d.accounts+" (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)"); err != nil {
-		return fmt.Errorf("create accounts: %w", err)
+	if err := outbox.InitializeSchema(ctx, pool, outboxConfig(d.schema)); err != nil {
+		return err
 	}
-	if _, err := pool.Exec(ctx, "INSERT INTO "+d.accounts+" (id) SELECT generate_series(1, $1::bigint)", d.o.accounts); err != nil {
+	d.accounts = qualified(d.schema, "accounts")
+	d.rejections = qualified(d.schema, "rejections")
+	d.receipts = qualified(d.schema, "receipts")
+	for _, stmt := range []string{
+		"CREATE TABLE " + d.accounts + " (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0, frozen boolean NOT NULL DEFAULT false)",
+		// One row per handler run that rejected a payment, written outside the inbox
+		// transaction, so it stays when the transaction rolls back or the process dies.
+		"CREATE TABLE " + d.rejections + " (id bigserial PRIMARY KEY, message_id text NOT NULL, consumer_run int NOT NULL, at timestamptz NOT NULL DEFAULT now())",
+		// One row per receipt counted by the downstream consumer; no unique key, on purpose.
+		"CREATE TABLE " + d.receipts + " (id bigserial PRIMARY KEY, receipt_id text NOT NULL, payment_id text NOT NULL, account_id bigint NOT NULL, amount_cents bigint NOT NULL)",
+	} {
+		if _, err := pool.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("create tables: %w", err)
+		}
+	}
+	if _, err := pool.Exec(ctx, "INSERT INTO "+d.accounts+" (id, frozen) SELECT n, n > $1 FROM generate_series(1, $1::bigint + 1) n", d.o.accounts); err != nil {
 		return fmt.Errorf("insert accounts: %w", err)
 	}
 	return nil
@@ -281,7 +332,7 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 	defer func() { _ = claimTx.Rollback(context.WithoutCancel(ctx)) }()
 	account = d.w.accountOf[last]
 
-	c, err := d.startConsumer(0)
+	c, err := d.startConsumer(crashPoint{})
 	if err != nil {
 		return 0, 0, err
 	}
@@ -389,29 +440,91 @@ func (d *demo) holdLastClaim(ctx context.Context) (pgx.Tx, int, error) {
 	return nil, 0, errors.New("could not claim an unprocessed payment in 10 attempts")
 }
 
-// runToCompletion starts a consumer, waits until the inbox holds every unique message and the
-// broker has nothing left for drainedFor, and stops it with SIGTERM. It returns the consumer and
-// the time the work was found complete.
+// crashInPoison runs a consumer until it SIGKILLs itself inside the handler of a poison payment,
+// on its second-to-last attempt, and returns its CRASH report.
+func (d *demo) crashInPoison(ctx context.Context) (consumerReport, error) {
+	c, err := d.startConsumer(crashPoint{onRejection: d.o.maxAttempts - 1})
+	if err != nil {
+		return consumerReport{}, err
+	}
+	if err := c.wait(ctx); err != nil {
+		return consumerReport{}, d.childFailure(c, err)
+	}
+	if !c.killedBySIGKILL() {
+		return consumerReport{}, d.childFailure(c, fmt.Errorf("consumer #%d should have SIGKILLed itself in a poison payment's handler, but it exited: %s", c.n, c.describeExit()))
+	}
+	r, ok := c.report(lineCrash)
+	if !ok || r.Rejected == "" {
+		return consumerReport{}, d.childFailure(c, fmt.Errorf("consumer #%d died without its CRASH report", c.n))
+	}
+	return r, nil
+}
+
+// attemptsOf returns the billing inbox's attempt count of a message (0 without a row).
+func (d *demo) attemptsOf(ctx context.Context, messageID string) (int64, error) {
+	var n int64
+	err := d.pool.QueryRow(ctx, "SELECT coalesce(max(attempts), 0) FROM "+d.attemptsTable()+" WHERE message_id = $1 AND consumer_name = $2",
+		messageID, consumerName).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("read attempts: %w", err)
+	}
+	return n, nil
+}
+
+// attemptsTable is pgstore's attempt record table, "<table>_attempts", next to the inbox table.
+func (d *demo) attemptsTable() string {
+	return qualified(d.schema, pgstore.DefaultTable+"_attempts")
+}
+
+// progress is what the orchestrator waits for before it stops the last consumer.
+type progress struct {
+	rows, pending, deadLettered, receipts int64
+}
+
+func (d *demo) progress(ctx context.Context) (progress, error) {
+	var p progress
+	err := d.pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM `+d.store.Table()+` WHERE consumer_name = $1),
+		(SELECT count(*) FROM `+d.attemptsTable()+` WHERE consumer_name = $1 AND dead_lettered_at IS NOT NULL),
+		(SELECT count(*) FROM `+d.receipts+`)`, consumerName).Scan(&p.rows, &p.deadLettered, &p.receipts)
+	if err != nil {
+		return p, fmt.Errorf("read progress: %w", err)
+	}
+	p.pending, err = d.broker.Pending(ctx)
+	return p, err
+}
+
+func (p progress) String() string {
+	return fmt.Sprintf("inbox rows %d, dead-lettered %d, receipts %d, %d pending", p.rows, p.deadLettered, p.receipts, p.pending)
+}
+
+// runToCompletion starts a consumer, waits until the inbox holds every unique payment, every
+// poison payment is dead-lettered, every receipt is counted and the broker has nothing left,
+// all for drainedFor, and stops it with SIGTERM. It returns the consumer and the time the work
+// was found complete.
 func (d *demo) runToCompletion(ctx context.Context) (*child, time.Time, error) {
-	unique := int64(len(d.w.ids))
-	c, err := d.startConsumer(0)
+	unique, poison := int64(len(d.w.ids)), int64(len(d.w.poisonIDs))
+	c, err := d.startConsumer(crashPoint{})
 	if err != nil {
 		return nil, time.Time{}, err
 	}
 	var completeSince time.Time
-	var rows, pending int64
 	for {
 		if c.exited() {
-			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("consumer #3 exited by itself: %s", c.describeExit()))
+			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("consumer #%d exited by itself: %s", c.n, c.describeExit()))
 		}
-		if rows, err = d.inboxRows(ctx); err == nil {
-			pending, err = d.broker.Pending(ctx)
-		}
+		p, err := d.progress(ctx)
 		if err != nil {
-			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("waiting for consumer #3 (inbox rows %d/%d, %d pending): %w", rows, unique, pending, err))
+			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("waiting for consumer #%d: %w", c.n, err))
 		}
 		switch {
-		case rows != unique || pending != 0:
+		case p.receipts > unique:
+			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("%d receipts counted for %d unique payments", p.receipts, unique))
+		case p.deadLettered > poison:
+			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("%d payments dead-lettered, but only %d are poison", p.deadLettered, poison))
+		}
+		switch {
+		case p.rows != unique || p.deadLettered != poison || p.receipts != unique || p.pending != 0:
 			completeSince = time.Time{}
 		case completeSince.IsZero():
 			completeSince = time.Now()
@@ -423,12 +536,12 @@ func (d *demo) runToCompletion(ctx context.Context) (*child, time.Time, error) {
 				return nil, time.Time{}, d.childFailure(c, fmt.Errorf("graceful stop: %w", err))
 			}
 			if !c.state.Success() {
-				return nil, time.Time{}, d.childFailure(c, fmt.Errorf("consumer #3 failed to stop gracefully: %s", c.describeExit()))
+				return nil, time.Time{}, d.childFailure(c, fmt.Errorf("consumer #%d failed to stop gracefully: %s", c.n, c.describeExit()))
 			}
 			return c, completeSince, nil
 		}
 		if err := sleep(ctx, pollEvery); err != nil {
-			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("waiting for consumer #3 (inbox rows %d/%d, %d pending): %w", rows, unique, pending, err))
+			return nil, time.Time{}, d.childFailure(c, fmt.Errorf("waiting for consumer #%d (%s; want %d, %d, %d, 0): %w", c.n, p, unique, poison, unique, err))
 		}
 	}
 }
@@ -482,7 +595,128 @@ func (d *demo) verifyBalances(ctx context.Context) (int64, error) {
 	return total, nil
 }
 
-// cleanup deletes the run's queue (AMQP) and schema, after a successful run.
+// poisonRuns counts the rejection log: handler runs of poison payments.
+type poisonRuns struct {
+	total int64
+	// perConsumer is indexed by consumer run number (1-based).
+	perConsumer map[int]int64
+}
+
+// byConsumer reads, e.g., "consumer #3: 5, #4: 4".
+func (r poisonRuns) byConsumer() string {
+	var ns []int
+	for n := range r.perConsumer {
+		ns = append(ns, n)
+	}
+	sort.Ints(ns)
+	parts := make([]string, len(ns))
+	for i, n := range ns {
+		parts[i] = fmt.Sprintf("#%d: %d", n, r.perConsumer[n])
+	}
+	return "consumer " + strings.Join(parts, ", ")
+}
+
+// verifyPoison checks each poison payment: on the dead-letter topic exactly once (read from the
+// broker), with inbox_attempts = MaxAttempts; its attempts row says MaxAttempts and
+// dead-lettered; the handler ran MaxAttempts times in all (the rejection log). Their balance,
+// the frozen account's, is checked by verifyBalances. It returns the rejection log's counts.
+func (d *demo) verifyPoison(ctx context.Context) (poisonRuns, error) {
+	want := d.o.maxAttempts
+	wantAttempts := strconv.Itoa(want)
+	isPoison := make(map[string]bool, len(d.w.poisonIDs))
+	for _, id := range d.w.poisonIDs {
+		isPoison[id] = true
+	}
+
+	dls, err := d.broker.DeadLetters(ctx)
+	if err != nil {
+		return poisonRuns{}, err
+	}
+	onTopic := make(map[string]int, len(dls))
+	for _, dl := range dls {
+		if !isPoison[dl.UUID] {
+			return poisonRuns{}, fmt.Errorf("the dead-letter topic holds %s, which is not a poison payment", dl.UUID)
+		}
+		if dl.Attempts != wantAttempts {
+			return poisonRuns{}, fmt.Errorf("dead letter %s says %s=%q, want %q", dl.UUID, inbox.DeadLetterAttemptsKey, dl.Attempts, wantAttempts)
+		}
+		onTopic[dl.UUID]++
+	}
+
+	type attemptsRow struct {
+		ID           string
+		Attempts     int
+		DeadLettered bool
+	}
+	rows, err := d.pool.Query(ctx, "SELECT message_id, attempts, dead_lettered_at IS NOT NULL FROM "+d.attemptsTable()+
+		" WHERE consumer_name = $1 AND message_id = ANY($2::text[])", consumerName, d.w.poisonIDs)
+	if err != nil {
+		return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
+	}
+	attempts, err := pgx.CollectRows(rows, pgx.RowToStructByPos[attemptsRow])
+	if err != nil {
+		return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
+	}
+	attemptsOf := make(map[string]attemptsRow, len(attempts))
+	for _, a := range attempts {
+		attemptsOf[a.ID] = a
+	}
+
+	type rejection struct {
+		ID  string
+		Run int
+	}
+	rows, err = d.pool.Query(ctx, "SELECT message_id, consumer_run FROM "+d.rejections)
+	if err != nil {
+		return poisonRuns{}, fmt.Errorf("read the rejection log: %w", err)
+	}
+	rejections, err := pgx.CollectRows(rows, pgx.RowToStructByPos[rejection])
+	if err != nil {
+		return poisonRuns{}, fmt.Errorf("read the rejection log: %w", err)
+	}
+	runs := poisonRuns{perConsumer: map[int]int64{}}
+	runsOf := make(map[string]int, len(d.w.poisonIDs))
+	for _, r := range rejections {
+		runsOf[r.ID]++
+		runs.perConsumer[r.Run]++
+		runs.total++
+	}
+
+	for _, id := range d.w.poisonIDs {
+		a := attemptsOf[id]
+		switch {
+		case onTopic[id] != 1:
+			return runs, fmt.Errorf("poison payment %s is on the dead-letter topic %d times, want exactly once", id, onTopic[id])
+		case a.Attempts != want || !a.DeadLettered:
+			return runs, fmt.Errorf("poison payment %s: attempts row says %d attempts, dead-lettered %t; want %d, true", id, a.Attempts, a.DeadLettered, want)
+		case runsOf[id] != want:
+			return runs, fmt.Errorf("poison payment %s: the handler ran %d times, want %d", id, runsOf[id], want)
+		}
+	}
+	if runs.total != int64(want*len(d.w.poisonIDs)) {
+		return runs, fmt.Errorf("the rejection log has %d rows, want %d (a payment that is not poison was rejected)", runs.total, want*len(d.w.poisonIDs))
+	}
+	return runs, nil
+}
+
+// verifyReceipts checks the receipts counted downstream: one per unique payment, for its
+// account and amount (their sum is the sum of the balances).
+func (d *demo) verifyReceipts(ctx context.Context, unique, total int64) error {
+	var n, payments, published, sum int64
+	err := d.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT payment_id),
+			count(DISTINCT payment_id) FILTER (WHERE payment_id = ANY($1::text[])), coalesce(sum(amount_cents), 0)
+		FROM `+d.receipts, d.w.ids).Scan(&n, &payments, &published, &sum)
+	if err != nil {
+		return fmt.Errorf("read receipts: %w", err)
+	}
+	if n != unique || payments != unique || published != unique || sum != total {
+		return fmt.Errorf("receipts: %d counted for %d payments (%d of them published unique payments), %d cents; want %d receipts, one per unique payment, %d cents",
+			n, payments, published, sum, unique, total)
+	}
+	return nil
+}
+
+// cleanup deletes the run's queues (AMQP) and schema, after a successful run.
 func (d *demo) cleanup() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -22,15 +22,23 @@ type workload struct {
 	// duplicates (same UUID, same payload) re-sent at random later positions.
 	deliveries []*message.Message
 	duplicates int
-	// expected is the balance of each account: the sum of its unique payments, in cents.
+	// expected is the balance of each account: the sum of its unique payments, in cents (0
+	// for the frozen account).
 	expected map[int64]int64
+
+	// frozenAccount is the account the handler refuses payments to, and poison are payments
+	// to it, published after the first two crashes: poison messages.
+	frozenAccount int64
+	poison        []*message.Message
+	poisonIDs     []string
 }
 
-func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64) (*workload, error) {
-	w := &workload{expected: make(map[int64]int64, accounts)}
+func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poison int) (*workload, error) {
+	w := &workload{expected: make(map[int64]int64, accounts), frozenAccount: int64(accounts) + 1}
 	for a := 1; a <= accounts; a++ {
 		w.expected[int64(a)] = 0
 	}
+	w.expected[w.frozenAccount] = 0 // every payment to it is rejected
 	type sendAt struct {
 		pos float64
 		msg *message.Message
@@ -60,6 +68,15 @@ func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64) (*wor
 	sort.SliceStable(sends, func(a, b int) bool { return sends[a].pos < sends[b].pos })
 	for _, s := range sends {
 		w.deliveries = append(w.deliveries, s.msg)
+	}
+	for range poison {
+		payload, err := json.Marshal(payment{AccountID: w.frozenAccount, AmountCents: 1 + int64(rng.IntN(10_000))})
+		if err != nil {
+			return nil, err
+		}
+		id := watermill.NewUUID()
+		w.poisonIDs = append(w.poisonIDs, id)
+		w.poison = append(w.poison, newPaymentMessage(id, payload))
 	}
 	return w, nil
 }
