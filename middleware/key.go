@@ -101,14 +101,16 @@ func (m metadataKey) ExtractKey(msg *message.Message) (string, error) {
 }
 func (m metadataKey) Source() string { return fmt.Sprintf("metadata %q", m.field) }
 
-// ValidateKey checks a message key: non-empty, at most MaxKeyBytes bytes, valid UTF-8 and free
-// of NUL (PostgreSQL text cannot store NUL: SQLSTATE 22021). It returns nil or an
+// ValidateKey checks a message key: non-empty and not only white space, at most MaxKeyBytes
+// bytes, valid UTF-8 and free of NUL (PostgreSQL text cannot store NUL: SQLSTATE 22021). It returns nil or an
 // *InvalidKeyError naming source.
 func ValidateKey(source, key string) error {
 	reason := ""
 	switch {
 	case key == "":
 		reason = "empty"
+	case strings.TrimSpace(key) == "":
+		reason = "blank"
 	case len(key) > MaxKeyBytes:
 		reason = fmt.Sprintf("too long (limit %d bytes)", MaxKeyBytes)
 	case !utf8.ValidString(key):

@@ -25,6 +25,8 @@ const (
 	// DefaultFinishTimeout bounds COMMIT and ROLLBACK, which run detached from the message's
 	// context (the router cancels that context on shutdown).
 	DefaultFinishTimeout = 10 * time.Second
+	// DefaultClaimTimeout bounds the claim (see Config.ClaimTimeout).
+	DefaultClaimTimeout = 30 * time.Second
 	// DefaultMaxTxRetries is how many times a transaction that failed with a transient conflict
 	// (SQLSTATE 40001 or 40P01) is retried in process before the delivery is nacked.
 	DefaultMaxTxRetries = 3
@@ -86,6 +88,11 @@ type Config struct {
 	MessageTypeKey string
 	// FinishTimeout bounds COMMIT and ROLLBACK. Default: DefaultFinishTimeout.
 	FinishTimeout time.Duration
+	// ClaimTimeout bounds everything before the handler runs (taking a connection, counting
+	// the attempt, BEGIN and the claim), whatever the network does: past it the delivery
+	// fails and is nacked. It also bounds a concurrent duplicate's wait behind a slow
+	// handler's uncommitted claim. Default: DefaultClaimTimeout.
+	ClaimTimeout time.Duration
 	// MaxTxRetries is the number of in-process retries of a whole transaction (claim, handler,
 	// commit) after a transient conflict the Store reports as Retryable (PostgreSQL SQLSTATE
 	// 40001 serialization_failure, 40P01 deadlock_detected). Default: DefaultMaxTxRetries.
@@ -148,6 +155,9 @@ func (c *Config) setDefaults() {
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = DefaultFinishTimeout
 	}
+	if c.ClaimTimeout == 0 {
+		c.ClaimTimeout = DefaultClaimTimeout
+	}
 	if c.MaxTxRetries == 0 {
 		c.MaxTxRetries = DefaultMaxTxRetries
 	} else if c.MaxTxRetries < 0 {
@@ -180,7 +190,7 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("%w: isolation level %s is not supported (use READ COMMITTED, REPEATABLE READ or SERIALIZABLE)", ErrInvalidConfig, c.Isolation)
 	}
-	if c.FinishTimeout < 0 || c.TxRetryBackoff < 0 || c.MaxTxRetryBackoff < 0 || c.LockTimeout < 0 || c.StatementTimeout < 0 {
+	if c.FinishTimeout < 0 || c.ClaimTimeout < 0 || c.TxRetryBackoff < 0 || c.MaxTxRetryBackoff < 0 || c.LockTimeout < 0 || c.StatementTimeout < 0 {
 		return fmt.Errorf("%w: durations must not be negative", ErrInvalidConfig)
 	}
 	if (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == "") {
@@ -458,7 +468,9 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 		Isolation: i.cfg.Isolation, CountAttempt: countAttempt,
 		LockTimeout: i.cfg.LockTimeout, StatementTimeout: i.cfg.StatementTimeout,
 	}
-	tx, res, err := i.cfg.Store.BeginClaim(ctx, opts, claim)
+	claimCtx, cancelClaim := context.WithTimeout(ctx, i.cfg.ClaimTimeout)
+	tx, res, err := i.cfg.Store.BeginClaim(claimCtx, opts, claim)
+	cancelClaim()
 	if err != nil {
 		return attemptResult{err: fmt.Errorf("inbox: claim: %w", err)}
 	}
@@ -469,6 +481,7 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 			// Reached on a handler panic, which keeps propagating after the rollback.
 			msg.SetContext(ctx)
 			i.finish(ctx, tx.Rollback)
+			i.failed.Add(1)
 		}
 	}()
 
@@ -520,6 +533,11 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 	finished = true
 	if err := i.finish(ctx, tx.Commit); err != nil {
 		r.err = fmt.Errorf("inbox: commit: %w", err)
+		if !errors.Is(err, ErrCommitRolledBack) && !i.cfg.Store.Retryable(err) {
+			// The outcome is unknown: it may have committed. Nack, never dead-letter; the
+			// redelivery is a duplicate if it did.
+			r.final = true
+		}
 		return r
 	}
 	i.processed.Add(1)

@@ -364,6 +364,7 @@ func TestInvalidKeysAreRefused(t *testing.T) {
 	h := ib.Middleware(e.credit)
 	cases := map[string]string{
 		"empty":        "",
+		"blank":        "  \t",
 		"10 KB":        strings.Repeat("k", 10*1024),
 		"invalid UTF8": "id-\xff\xfe",
 		"NUL":          "id\x00tail",

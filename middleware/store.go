@@ -97,9 +97,11 @@ type Tx interface {
 	// Context returns ctx carrying the store's native transaction, so the handler's business
 	// writes join it (for the pgx store: pgstore.TxFromContext).
 	Context(ctx context.Context) context.Context
-	// Commit commits the claim and everything written in the transaction. A non-nil error
-	// means the outcome may be unknown (the connection broke after COMMIT was sent): the
-	// caller must not ack, and the redelivery will resolve as a duplicate if it did commit.
+	// Commit commits the claim and everything written in the transaction. An error wrapping
+	// ErrCommitRolledBack means the server rolled the transaction back; any other non-nil
+	// error means the outcome may be unknown (the connection broke after COMMIT was sent):
+	// the caller must not ack, and the redelivery will resolve as a duplicate if it did
+	// commit.
 	Commit(ctx context.Context) error
 	// Rollback discards the transaction. It returns nil when the transaction is already closed.
 	Rollback(ctx context.Context) error

@@ -13,6 +13,8 @@ import (
 	"text/template"
 
 	"github.com/jackc/pgx/v5"
+
+	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 )
 
 //go:embed migrations/*.sql
@@ -111,8 +113,11 @@ const migrateLockKey = "watermill-inbox:migrate"
 
 // Migrate applies pending migrations in one transaction, under a transaction-level advisory
 // lock (pg_advisory_xact_lock), so it is safe when several instances start at once. It
-// creates the schema when it does not exist. It returns the versions it applied (none when
-// the schema is current) or the first error, after which nothing is applied.
+// creates the schema when it does not exist (needing CREATE on the database only then), and
+// verifies that the inbox table has its unique key on (message_id, consumer_name): an error
+// wrapping inbox.ErrInvalidConfig reports a pre-existing table of the same name with other
+// keys. It returns the versions it applied (none when the schema is current) or the first
+// error, after which nothing is applied.
 func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 	ms, err := s.Migrations()
 	if err != nil {
@@ -122,8 +127,16 @@ func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", migrateLockKey); err != nil {
 			return fmt.Errorf("pgstore: migrate: lock: %w", err)
 		}
-		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{s.cfg.Schema}.Sanitize()); err != nil {
-			return fmt.Errorf("pgstore: migrate: create schema: %w", err)
+		// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
+		// exists, which an application role often lacks: create it only when missing.
+		var schemaExists bool
+		if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", s.cfg.Schema).Scan(&schemaExists); err != nil {
+			return fmt.Errorf("pgstore: migrate: look up schema: %w", err)
+		}
+		if !schemaExists {
+			if _, err := tx.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{s.cfg.Schema}.Sanitize()); err != nil {
+				return fmt.Errorf("pgstore: migrate: create schema: %w", err)
+			}
 		}
 		if _, err := tx.Exec(ctx, s.versionTableSQL()); err != nil {
 			return fmt.Errorf("pgstore: migrate: version table: %w", err)
@@ -152,7 +165,7 @@ func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 			}
 			applied = append(applied, m.Version)
 		}
-		return nil
+		return s.verifyKey(ctx, tx)
 	})
 	if err != nil {
 		return nil, err
@@ -174,4 +187,27 @@ func MigrationSQL(cfg Config) (string, error) {
 		return "", err
 	}
 	return s.MigrationSQL()
+}
+
+// verifyKey checks that the inbox table has a unique index on exactly (message_id,
+// consumer_name): CREATE TABLE IF NOT EXISTS adopts an existing table of that name whatever its
+// keys, and the claim's ON CONFLICT (message_id, consumer_name) needs that index (without it
+// every claim fails with SQLSTATE 42P10).
+func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
+	var ok bool
+	err := tx.QueryRow(ctx, `
+		SELECT EXISTS (
+			SELECT 1 FROM pg_index i
+			WHERE i.indrelid = $1::regclass AND i.indisunique AND i.indnkeyatts = 2
+			  AND (SELECT array_agg(a.attname ORDER BY a.attname)
+			       FROM pg_attribute a
+			       WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey::int2[]))
+			      = ARRAY['consumer_name', 'message_id']::name[])`, s.table).Scan(&ok)
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate: verify the inbox key: %w", err)
+	}
+	if !ok {
+		return fmt.Errorf("%w: pgstore: table %s exists without a unique key on (message_id, consumer_name); it was not created by these migrations", inbox.ErrInvalidConfig, s.table)
+	}
+	return nil
 }

@@ -167,26 +167,34 @@ func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Cl
 	if err != nil {
 		return nil, res, err
 	}
+	timeouts := func(b *pgx.Batch) {
+		if opts.LockTimeout > 0 {
+			b.Queue("select set_config('lock_timeout', $1, true)", strconv.FormatInt(opts.LockTimeout.Milliseconds(), 10))
+		}
+		if opts.StatementTimeout > 0 {
+			b.Queue("select set_config('statement_timeout', $1, true)", strconv.FormatInt(opts.StatementTimeout.Milliseconds(), 10))
+		}
+	}
 	b := &pgx.Batch{}
+	counted := false // the attempt transaction committed
 	if opts.CountAttempt {
 		// The batch's transaction (the one pgx hands back) is the second BEGIN below; the
 		// first is the attempt's own, committed inside the same pipeline.
 		b.BeginTx(pgx.TxOptions{})
 		b.Queue("set local synchronous_commit to off")
+		timeouts(b)
 		b.Queue(s.attemptSQL, c.MessageID, c.ConsumerName).QueryRow(func(row pgx.Row) error {
 			return row.Scan(&res.Attempt, &res.DeadLettered)
 		})
-		b.Queue("commit")
+		b.Queue("commit").Exec(func(ct pgconn.CommandTag) error {
+			counted = ct.String() == "COMMIT"
+			return nil
+		})
 		b.Queue("begin isolation level " + strings.ToLower(string(lvl)))
 	} else {
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
-	if opts.LockTimeout > 0 {
-		b.Queue("select set_config('lock_timeout', $1, true)", strconv.FormatInt(opts.LockTimeout.Milliseconds(), 10))
-	}
-	if opts.StatementTimeout > 0 {
-		b.Queue("select set_config('statement_timeout', $1, true)", strconv.FormatInt(opts.StatementTimeout.Milliseconds(), 10))
-	}
+	timeouts(b)
 	var tag pgconn.CommandTag
 	b.Queue(s.claimSQL, c.MessageID, c.ConsumerName, nullIfEmpty(c.MessageType), nullIfEmpty(c.CorrelationID), c.PayloadHash).
 		Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
@@ -197,7 +205,13 @@ func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Cl
 	tx := br.Tx()
 	if err := br.Close(); err != nil {
 		rollbackDetached(ctx, tx)
-		return nil, inbox.ClaimResult{}, fmt.Errorf("claim: %w", err)
+		if counted {
+			// The claim never happened, so this delivery did not reach the handler: take
+			// its attempt back, so that a lock wait or a timeout during the claim does not
+			// bring an unprocessed message closer to the dead-letter topic.
+			s.uncountAttempt(ctx, c)
+		}
+		return nil, inbox.ClaimResult{}, err
 	}
 	res.Claimed = tag.RowsAffected() == 1
 	if !res.Claimed {
@@ -205,10 +219,23 @@ func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Cl
 			c.MessageID, c.ConsumerName).Scan(&res.StoredPayloadHash)
 		if err != nil {
 			rollbackDetached(ctx, tx)
+			if counted {
+				s.uncountAttempt(ctx, c)
+			}
 			return nil, inbox.ClaimResult{}, fmt.Errorf("read stored payload hash: %w", err)
 		}
 	}
 	return &claimTx{tx: tx}, res, nil
+}
+
+// uncountAttempt takes back an attempt counted for a delivery whose claim failed. It is best
+// effort: when the database is unreachable it fails too, and the attempt stays counted.
+func (s *Store) uncountAttempt(ctx context.Context, c inbox.Claim) {
+	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), inbox.DefaultFinishTimeout)
+	defer cancel()
+	_, _ = s.pool.Exec(uctx, "UPDATE "+s.attempts+" SET attempts = attempts - 1"+
+		" WHERE message_id = $1 AND consumer_name = $2 AND attempts > 0 AND dead_lettered_at IS NULL",
+		c.MessageID, c.ConsumerName)
 }
 
 // rollbackDetached rolls tx back (releasing its connection; pgxpool destroys it if it is not
@@ -304,7 +331,16 @@ func (t *claimTx) Context(ctx context.Context) context.Context {
 	return context.WithValue(ctx, txKey{}, t.tx)
 }
 
-func (t *claimTx) Commit(ctx context.Context) error { return t.tx.Commit(ctx) }
+// Commit commits; an error wraps inbox.ErrCommitRolledBack when the server answered ROLLBACK
+// (pgx.ErrTxCommitRollback: a statement in the transaction had failed), which is a definite
+// outcome. Any other error leaves the outcome unknown.
+func (t *claimTx) Commit(ctx context.Context) error {
+	err := t.tx.Commit(ctx)
+	if errors.Is(err, pgx.ErrTxCommitRollback) {
+		return fmt.Errorf("%w: %w", inbox.ErrCommitRolledBack, err)
+	}
+	return err
+}
 
 func (t *claimTx) Rollback(ctx context.Context) error {
 	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {

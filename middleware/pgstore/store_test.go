@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -213,5 +214,64 @@ func TestUnsupportedIsolationLevel(t *testing.T) {
 	_, _, err := s.BeginClaim(context.Background(), inbox.TxOptions{Isolation: 7 /* sql.LevelLinearizable */}, inbox.Claim{MessageID: "m", ConsumerName: "c"})
 	if !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Fatalf("err = %v, want ErrInvalidConfig", err)
+	}
+}
+
+// TestMigrateWithoutDatabaseCreatePrivilege: an application role that may use and create in
+// its schema, but not create schemas in the database, can run Migrate on an existing schema
+// (PostgreSQL checks CREATE on the database for CREATE SCHEMA IF NOT EXISTS even when the
+// schema exists, SQLSTATE 42501).
+func TestMigrateWithoutDatabaseCreatePrivilege(t *testing.T) {
+	sch := testenv.NewSchema(t, 2)
+	ctx := context.Background()
+	role := sch.Name + "_app"
+	ident := pgx.Identifier{role}.Sanitize()
+	schemaIdent := pgx.Identifier{sch.Name}.Sanitize()
+	for _, q := range []string{
+		"CREATE ROLE " + ident + " LOGIN",
+		"GRANT USAGE, CREATE ON SCHEMA " + schemaIdent + " TO " + ident,
+	} {
+		if _, err := sch.Pool.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = sch.Pool.Exec(context.Background(), "DROP OWNED BY "+ident)
+		_, _ = sch.Pool.Exec(context.Background(), "DROP ROLE "+ident)
+	})
+	var canCreate bool
+	if err := sch.Pool.QueryRow(ctx, "SELECT has_database_privilege($1, current_database(), 'CREATE')", role).Scan(&canCreate); err != nil || canCreate {
+		t.Fatalf("the test role may create schemas (%v, %v); the test would prove nothing", canCreate, err)
+	}
+	u, _ := url.Parse(sch.URL)
+	u.User = url.User(role)
+	appPool := testenv.NewPool(t, u.String(), 1)
+	s, err := pgstore.New(appPool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Migrate(ctx); err != nil {
+		t.Fatalf("Migrate as a role without CREATE on the database: %v", err)
+	}
+	if applied, err := s.Migrate(ctx); err != nil || len(applied) != 0 {
+		t.Fatalf("second Migrate: %v, %v", applied, err)
+	}
+}
+
+// TestMigrateRefusesATableWithOtherKeys: CREATE TABLE IF NOT EXISTS would adopt an existing
+// table of the same name keyed on message_id alone (the seed's single-consumer example), on
+// which every claim fails; Migrate reports it instead.
+func TestMigrateRefusesATableWithOtherKeys(t *testing.T) {
+	sch := testenv.NewSchema(t, 1)
+	ctx := context.Background()
+	if _, err := sch.Pool.Exec(ctx, "CREATE TABLE inbox_processed_messages (message_id text PRIMARY KEY, consumer_name text, received_at timestamptz NOT NULL DEFAULT now())"); err != nil {
+		t.Fatal(err)
+	}
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Migrate(ctx); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("Migrate over a table keyed on message_id alone: %v, want ErrInvalidConfig", err)
 	}
 }
