@@ -66,12 +66,12 @@ func (f *crashFixture) crashID() string { return f.msgs[f.crashAt].UUID }
 func (f *crashFixture) runFirstChildUntilCrash(t *testing.T, crashEnv, where string) *childProc {
 	t.Helper()
 	child := startChild(t, f.schema, f.rabbit.url, f.queue, crashEnv+"="+f.crashID())
-	err := child.waitExit(t, 30*time.Second)
-	if !killedBySIGKILL(err) {
+	err := child.WaitExit(t, 30*time.Second)
+	if !testenv.KilledBySIGKILL(err) {
 		t.Fatalf("first child should have died of SIGKILL, got %v", err)
 	}
 	want := fmt.Sprintf("CRASH %s %s", where, f.crashID())
-	if line, ok := child.out.find("CRASH "); !ok || line != want {
+	if line, ok := child.Find("CRASH "); !ok || line != want {
 		t.Fatalf("first child died without reaching the injected crash point: CRASH line %q, want %q", line, want)
 	}
 	// RabbitMQ saw the connection drop and requeued the unacked delivery: the crashed message
@@ -129,7 +129,7 @@ func TestCrashAfterCommitBeforeAck(t *testing.T) {
 	start := time.Now()
 	f := newCrashFixture(t)
 	first := f.runFirstChildUntilCrash(t, envCrashAfterCommit, "after-commit")
-	firstPID := first.cmd.Process.Pid
+	firstPID := first.Pid()
 
 	// The crash came after the commit: the crashed message's payment and inbox row are there.
 	if got, want := f.balance(t), f.sum(f.crashAt+1); got != want {
@@ -164,7 +164,7 @@ func TestCrashAfterCommitBeforeAck(t *testing.T) {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	secondPID := second.cmd.Process.Pid
+	secondPID := second.Pid()
 	if len(ds) != 2 || ds[0].pid != firstPID || ds[0].redelivered || ds[1].pid != secondPID || !ds[1].redelivered {
 		t.Errorf("deliveries of the crashed message = %+v, want one by pid %d (not redelivered) then one by pid %d (redelivered)", ds, firstPID, secondPID)
 	}
@@ -188,7 +188,7 @@ func TestCrashBeforeCommit(t *testing.T) {
 	start := time.Now()
 	f := newCrashFixture(t)
 	first := f.runFirstChildUntilCrash(t, envCrashBeforeCommit, "before-commit")
-	firstPID := first.cmd.Process.Pid
+	firstPID := first.Pid()
 
 	// The crash came before the commit: neither the payment nor the claim is visible.
 	if got, want := f.balance(t), f.sum(f.crashAt); got != want {
@@ -206,7 +206,7 @@ func TestCrashBeforeCommit(t *testing.T) {
 	st := second.stop(t)
 	f.assertFinalState(t)
 
-	secondPID := second.cmd.Process.Pid
+	secondPID := second.Pid()
 	// The redelivery ran the handler again (no processed mark survived the crash).
 	if n := queryInt(t, f.schema.Pool, "SELECT count(*) FROM handler_runs WHERE message_id = $1 AND pid = $2", f.crashID(), secondPID); n != 1 {
 		t.Errorf("handler runs for the crashed message in the restarted consumer = %d, want 1", n)

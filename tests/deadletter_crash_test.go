@@ -111,12 +111,12 @@ func TestDeadLetterPoisonAcrossCrashes(t *testing.T) {
 	// Attempts 1 and 2: the process dies inside the handler.
 	for _, run := range crashRuns {
 		child := startDLChild(t, w.schema, w.rabbit.url, w.queue, env)
-		pids = append(pids, child.cmd.Process.Pid)
-		if err := child.waitExit(t, 20*time.Second); !killedBySIGKILL(err) {
+		pids = append(pids, child.Pid())
+		if err := child.WaitExit(t, 20*time.Second); !testenv.KilledBySIGKILL(err) {
 			t.Fatalf("child for run %d should have died of SIGKILL, got %v", run, err)
 		}
 		want := fmt.Sprintf("CRASH in-handler-run-%d %s", run, id)
-		if line, ok := child.out.find("CRASH "); !ok || line != want {
+		if line, ok := child.Find("CRASH "); !ok || line != want {
 			t.Fatalf("child died without reaching the injected crash point: CRASH line %q, want %q", line, want)
 		}
 		waitUntil(t, 10*time.Second, "RabbitMQ to requeue the unacked delivery", func() (bool, string) {
@@ -137,7 +137,7 @@ func TestDeadLetterPoisonAcrossCrashes(t *testing.T) {
 
 	// Attempt 3 = MaxAttempts: the handler fails without a crash, the inbox dead-letters.
 	third := startDLChild(t, w.schema, w.rabbit.url, w.queue, env)
-	pids = append(pids, third.cmd.Process.Pid)
+	pids = append(pids, third.Pid())
 	waitUntil(t, 15*time.Second, "the dead letter", func() (bool, string) {
 		n, a := w.rabbit.ready(t, dlq), readAttempts(t, w.schema.Pool, id)
 		return n >= 1 && a.DeadLettered, fmt.Sprintf("dead-letter queue=%d attempts record=%+v", n, a)

@@ -11,7 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"slices"
 	"strconv"
@@ -236,25 +235,8 @@ func TestHelperDeadLetterConsumer(t *testing.T) {
 	c := startDLConsumer(t, cfg)
 	fmt.Printf("READY %d\n", os.Getpid())
 
-	ppid := os.Getppid()
-	tick := time.NewTicker(200 * time.Millisecond)
-	defer tick.Stop()
-	limit := time.After(childMaxLifetime)
-wait:
-	for {
-		select {
-		case <-ctx.Done():
-			break wait
-		case <-limit:
-			t.Errorf("child consumer ran longer than %s", childMaxLifetime)
-			break wait
-		case <-tick.C:
-			if os.Getppid() != ppid {
-				t.Errorf("parent process %d is gone", ppid)
-				break wait
-			}
-		}
-	}
+	// Stop on SIGTERM, or when the parent is gone or the child ran too long.
+	testenv.WaitChildStop(t, ctx, "child consumer")
 	if err := c.Close(); err != nil {
 		t.Errorf("close consumer: %v", err)
 	}
@@ -276,60 +258,25 @@ type dlChildEnv struct {
 // it still runs.
 func startDLChild(t testing.TB, schema *testenv.Schema, amqpURL, queue string, env dlChildEnv) *childProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperDeadLetterConsumer$", "-test.count=1", "-test.v=false",
-		fmt.Sprintf("-test.timeout=%s", childMaxLifetime+30*time.Second))
-	cmd.Env = append(os.Environ(),
-		envDLChild+"=1",
-		envChildDSN+"="+schema.URL,
-		envChildSchema+"="+schema.Name,
-		envChildAMQP+"="+amqpURL,
-		envChildQueue+"="+queue,
-		envDLQueue+"="+env.DeadLetterQueue,
-		envDLMaxAttempts+"="+strconv.Itoa(env.MaxAttempts),
-		envDLCrashRuns+"="+env.CrashRuns,
-		envDLHandler+"="+env.Handler,
-	)
-	out := &lineLog{t: t}
-	cmd.Stdout = out
-	cmd.Stderr = out
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start child: %v", err)
-	}
-	c := &childProc{cmd: cmd, out: out, done: make(chan struct{})}
-	go func() {
-		c.err = cmd.Wait()
-		close(c.done)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-c.done:
-			return
-		default:
-		}
-		_ = cmd.Process.Kill() // this child only, by its pid
-		select {
-		case <-c.done:
-		case <-time.After(10 * time.Second):
-			t.Errorf("child %d did not exit after SIGKILL", cmd.Process.Pid)
-		}
-	})
-	c.waitLine(t, "READY ", 30*time.Second)
+	c := &childProc{testenv.StartChild(t, "TestHelperDeadLetterConsumer", []string{
+		envDLChild + "=1",
+		envChildDSN + "=" + schema.URL,
+		envChildSchema + "=" + schema.Name,
+		envChildAMQP + "=" + amqpURL,
+		envChildQueue + "=" + queue,
+		envDLQueue + "=" + env.DeadLetterQueue,
+		envDLMaxAttempts + "=" + strconv.Itoa(env.MaxAttempts),
+		envDLCrashRuns + "=" + env.CrashRuns,
+		envDLHandler + "=" + env.Handler,
+	})}
+	c.WaitLine(t, "READY ", 30*time.Second)
 	return c
 }
 
 // stopDL sends SIGTERM, waits for a clean exit and returns the child's inbox stats.
 func (c *childProc) stopDL(t testing.TB) inbox.Stats {
 	t.Helper()
-	if err := c.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatalf("SIGTERM child %d: %v", c.cmd.Process.Pid, err)
-	}
-	if err := c.waitExit(t, 30*time.Second); err != nil {
-		t.Fatalf("child %d did not exit cleanly: %v", c.cmd.Process.Pid, err)
-	}
-	line, ok := c.out.find("STATS ")
-	if !ok {
-		t.Fatalf("child %d printed no STATS line", c.cmd.Process.Pid)
-	}
+	line := c.Stop(t, "STATS ")
 	var st inbox.Stats
 	if _, err := fmt.Sscanf(line, "STATS processed=%d duplicates=%d failed=%d deadlettered=%d dlskips=%d collisions=%d",
 		&st.Processed, &st.Duplicates, &st.Failed, &st.DeadLettered, &st.DeadLetteredSkips, &st.Collisions); err != nil {

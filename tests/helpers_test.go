@@ -15,7 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"regexp"
 	"strings"
@@ -435,15 +434,13 @@ func (l *countingLogger) summary() string {
 
 // Environment of the child consumer (TestHelperConsumer).
 const (
-	envChild              = "INBOX_IT_CHILD"
-	envChildDSN           = "INBOX_IT_DSN"
-	envChildSchema        = "INBOX_IT_SCHEMA"
-	envChildAMQP          = "INBOX_IT_AMQP"
-	envChildQueue         = "INBOX_IT_QUEUE"
-	envCrashAfterCommit   = "INBOX_IT_CRASH_AFTER_COMMIT"
-	envCrashBeforeCommit  = "INBOX_IT_CRASH_BEFORE_COMMIT"
-	childMaxLifetime      = 60 * time.Second
-	childOutputLinePrefix = "child: "
+	envChild             = "INBOX_IT_CHILD"
+	envChildDSN          = "INBOX_IT_DSN"
+	envChildSchema       = "INBOX_IT_SCHEMA"
+	envChildAMQP         = "INBOX_IT_AMQP"
+	envChildQueue        = "INBOX_IT_QUEUE"
+	envCrashAfterCommit  = "INBOX_IT_CRASH_AFTER_COMMIT"
+	envCrashBeforeCommit = "INBOX_IT_CRASH_BEFORE_COMMIT"
 )
 
 // crashNow prints a CRASH line and SIGKILLs the current process: no deferred function, no
@@ -500,27 +497,8 @@ func TestHelperConsumer(t *testing.T) {
 	c := startConsumer(t, cfg)
 	fmt.Printf("READY %d\n", os.Getpid())
 
-	// Stop on SIGTERM; also when the parent test process died (we were re-parented) or after
-	// childMaxLifetime, so an orphan never outlives its test run for long.
-	ppid := os.Getppid()
-	tick := time.NewTicker(200 * time.Millisecond)
-	defer tick.Stop()
-	limit := time.After(childMaxLifetime)
-wait:
-	for {
-		select {
-		case <-ctx.Done():
-			break wait
-		case <-limit:
-			t.Errorf("child consumer ran longer than %s", childMaxLifetime)
-			break wait
-		case <-tick.C:
-			if os.Getppid() != ppid {
-				t.Errorf("parent process %d is gone", ppid)
-				break wait
-			}
-		}
-	}
+	// Stop on SIGTERM, or when the parent is gone or the child ran too long.
+	testenv.WaitChildStop(t, ctx, "child consumer")
 	if err := c.Close(); err != nil {
 		t.Errorf("close consumer: %v", err)
 	}
@@ -529,153 +507,32 @@ wait:
 }
 
 // childProc is a running child consumer.
-type childProc struct {
-	cmd  *exec.Cmd
-	out  *lineLog
-	done chan struct{}
-	err  error // cmd.Wait's result, once done is closed
-}
-
-// lineLog collects the child's output lines and logs them on t.
-type lineLog struct {
-	t       testing.TB
-	mu      sync.Mutex
-	partial []byte
-	lines   []string
-}
-
-func (l *lineLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.partial = append(l.partial, p...)
-	for {
-		i := strings.IndexByte(string(l.partial), '\n')
-		if i < 0 {
-			break
-		}
-		line := string(l.partial[:i])
-		l.partial = l.partial[i+1:]
-		l.lines = append(l.lines, line)
-		l.t.Log(childOutputLinePrefix + line)
-	}
-	return len(p), nil
-}
-
-// find returns the first line starting with prefix.
-func (l *lineLog) find(prefix string) (string, bool) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, line := range l.lines {
-		if strings.HasPrefix(line, prefix) {
-			return line, true
-		}
-	}
-	return "", false
-}
+type childProc struct{ *testenv.Child }
 
 // startChild starts the test binary as a child consumer of queue on schema, with extra
 // environment entries ("KEY=value"), and waits for its READY line. The child is killed when t
 // ends if it still runs.
 func startChild(t testing.TB, schema *testenv.Schema, amqpURL, queue string, extraEnv ...string) *childProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperConsumer$", "-test.count=1", "-test.v=false",
-		fmt.Sprintf("-test.timeout=%s", childMaxLifetime+30*time.Second))
-	cmd.Env = append(os.Environ(),
-		envChild+"=1",
-		envChildDSN+"="+schema.URL,
-		envChildSchema+"="+schema.Name,
-		envChildAMQP+"="+amqpURL,
-		envChildQueue+"="+queue,
-	)
-	cmd.Env = append(cmd.Env, extraEnv...)
-	out := &lineLog{t: t}
-	cmd.Stdout = out
-	cmd.Stderr = out
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start child: %v", err)
-	}
-	c := &childProc{cmd: cmd, out: out, done: make(chan struct{})}
-	go func() {
-		c.err = cmd.Wait()
-		close(c.done)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-c.done:
-			return
-		default:
-		}
-		_ = cmd.Process.Kill() // this child only, by its pid
-		select {
-		case <-c.done:
-		case <-time.After(10 * time.Second):
-			t.Errorf("child %d did not exit after SIGKILL", cmd.Process.Pid)
-		}
-	})
-	c.waitLine(t, "READY ", 30*time.Second)
+	env := append([]string{
+		envChild + "=1",
+		envChildDSN + "=" + schema.URL,
+		envChildSchema + "=" + schema.Name,
+		envChildAMQP + "=" + amqpURL,
+		envChildQueue + "=" + queue,
+	}, extraEnv...)
+	c := &childProc{testenv.StartChild(t, "TestHelperConsumer", env)}
+	c.WaitLine(t, "READY ", 30*time.Second)
 	return c
-}
-
-// waitLine waits for an output line starting with prefix and returns it; it fails t when the
-// child exits or timeout passes first.
-func (c *childProc) waitLine(t testing.TB, prefix string, timeout time.Duration) string {
-	t.Helper()
-	deadline := time.After(timeout)
-	for {
-		if line, ok := c.out.find(prefix); ok {
-			return line
-		}
-		select {
-		case <-c.done:
-			if line, ok := c.out.find(prefix); ok {
-				return line
-			}
-			t.Fatalf("child %d exited (%v) before printing %q", c.cmd.Process.Pid, c.err, prefix)
-		case <-deadline:
-			t.Fatalf("child %d did not print %q within %s", c.cmd.Process.Pid, prefix, timeout)
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-// waitExit waits for the child to exit and returns cmd.Wait's error; it fails t after timeout.
-func (c *childProc) waitExit(t testing.TB, timeout time.Duration) error {
-	t.Helper()
-	select {
-	case <-c.done:
-		return c.err
-	case <-time.After(timeout):
-		t.Fatalf("child %d did not exit within %s", c.cmd.Process.Pid, timeout)
-		return nil
-	}
 }
 
 // stop sends SIGTERM, waits for a clean exit and returns the child's inbox stats.
 func (c *childProc) stop(t testing.TB) inbox.Stats {
 	t.Helper()
-	if err := c.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatalf("SIGTERM child %d: %v", c.cmd.Process.Pid, err)
-	}
-	if err := c.waitExit(t, 30*time.Second); err != nil {
-		t.Fatalf("child %d did not exit cleanly: %v", c.cmd.Process.Pid, err)
-	}
-	line, ok := c.out.find("STATS ")
-	if !ok {
-		t.Fatalf("child %d printed no STATS line", c.cmd.Process.Pid)
-	}
+	line := c.Stop(t, "STATS ")
 	var st inbox.Stats
 	if _, err := fmt.Sscanf(line, "STATS processed=%d duplicates=%d failed=%d", &st.Processed, &st.Duplicates, &st.Failed); err != nil {
 		t.Fatalf("parse %q: %v", line, err)
 	}
 	return st
-}
-
-// killedBySIGKILL reports whether a cmd.Wait error says the process died of SIGKILL.
-func killedBySIGKILL(err error) bool {
-	var ee *exec.ExitError
-	if !errors.As(err, &ee) {
-		return false
-	}
-	ws, ok := ee.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
 }

@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strconv"
 	"sync/atomic"
@@ -370,25 +369,8 @@ func TestHelperOutboxChild(t *testing.T) {
 
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer cancel()
-	ppid := os.Getppid()
-	tick := time.NewTicker(200 * time.Millisecond)
-	defer tick.Stop()
-	limit := time.After(childMaxLifetime)
-wait:
-	for {
-		select {
-		case <-ctx.Done():
-			break wait
-		case <-limit:
-			t.Errorf("child ran longer than %s", childMaxLifetime)
-			break wait
-		case <-tick.C:
-			if os.Getppid() != ppid {
-				t.Errorf("parent process %d is gone", ppid)
-				break wait
-			}
-		}
-	}
+	// Stop on SIGTERM, or when the parent is gone or the child ran too long.
+	testenv.WaitChildStop(t, ctx, "child")
 	if err := stop(); err != nil {
 		t.Errorf("stop: %v", err)
 	}
@@ -400,53 +382,27 @@ wait:
 // when t ends if it still runs.
 func startOutboxChild(t testing.TB, role string, schema *testenv.Schema, amqpURL, queue, downstreamQueue string, extraEnv ...string) *childProc {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperOutboxChild$", "-test.count=1", "-test.v=false",
-		fmt.Sprintf("-test.timeout=%s", childMaxLifetime+30*time.Second))
-	cmd.Env = append(os.Environ(),
-		envOutboxChild+"="+role,
-		envOutboxDSN+"="+schema.URL,
-		envOutboxSchema+"="+schema.Name,
-		envOutboxAMQP+"="+amqpURL,
-		envOutboxQueue+"="+queue,
-		envOutboxDownstream+"="+downstreamQueue,
-	)
-	cmd.Env = append(cmd.Env, extraEnv...)
-	out := &lineLog{t: t}
-	cmd.Stdout = out
-	cmd.Stderr = out
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start child: %v", err)
-	}
-	c := &childProc{cmd: cmd, out: out, done: make(chan struct{})}
-	go func() {
-		c.err = cmd.Wait()
-		close(c.done)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-c.done:
-			return
-		default:
-		}
-		_ = cmd.Process.Kill() // this child only, by its pid
-		select {
-		case <-c.done:
-		case <-time.After(10 * time.Second):
-			t.Errorf("child %d did not exit after SIGKILL", cmd.Process.Pid)
-		}
-	})
-	c.waitLine(t, "READY ", 30*time.Second)
+	env := append([]string{
+		envOutboxChild + "=" + role,
+		envOutboxDSN + "=" + schema.URL,
+		envOutboxSchema + "=" + schema.Name,
+		envOutboxAMQP + "=" + amqpURL,
+		envOutboxQueue + "=" + queue,
+		envOutboxDownstream + "=" + downstreamQueue,
+	}, extraEnv...)
+	c := &childProc{testenv.StartChild(t, "TestHelperOutboxChild", env)}
+	c.WaitLine(t, "READY ", 30*time.Second)
 	return c
 }
 
 // obExpectSIGKILL waits for the child to die of SIGKILL and checks its CRASH line.
 func obExpectSIGKILL(t testing.TB, c *childProc, where, id string) {
 	t.Helper()
-	err := c.waitExit(t, 30*time.Second)
-	if !killedBySIGKILL(err) {
+	err := c.WaitExit(t, 30*time.Second)
+	if !testenv.KilledBySIGKILL(err) {
 		t.Fatalf("child should have died of SIGKILL, got %v", err)
 	}
-	line, ok := c.out.find("CRASH ")
+	line, ok := c.Find("CRASH ")
 	if want := "CRASH " + where + " "; !ok || len(line) < len(want) || line[:len(want)] != want {
 		t.Fatalf("child died without reaching the injected crash point %q: CRASH line %q", where, line)
 	}

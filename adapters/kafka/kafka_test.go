@@ -261,10 +261,10 @@ func TestCrashAfterCommitBeforeAck(t *testing.T) {
 	first.name = "first"
 	first.env = []string{envCrashAfterCommit + "=" + crashID}
 	c1 := startChild(t, first)
-	if err := c1.waitExit(t, 30*time.Second); !killedBySIGKILL(err) {
+	if err := c1.WaitExit(t, 30*time.Second); !testenv.KilledBySIGKILL(err) {
 		t.Fatalf("first child should have died of SIGKILL, got %v", err)
 	}
-	if line, _ := c1.out.find("CRASH "); line != "CRASH after-commit "+crashID {
+	if line, _ := c1.Find("CRASH "); line != "CRASH after-commit "+crashID {
 		t.Fatalf("first child died without reaching the crash point: %q", line)
 	}
 	// Committed in PostgreSQL: payments 0..crashAt. Committed in Kafka: offsets 0..crashAt-1

@@ -44,10 +44,7 @@ func newBroker(t testing.TB, cfg nats.Config) (*adapters.Broker, error) {
 	if err != nil {
 		return nil, err
 	}
-	rec := &recorder{}
-	b.Publisher = &recordingPublisher{Publisher: b.Publisher, rec: rec}
-	b.Subscriber = &recordingSubscriber{Subscriber: b.Subscriber, rec: rec}
-	t.Cleanup(func() { deleteStreams(t, cfg.URL, rec.list()) })
+	adaptertest.CleanupTopics(t, b, func(topics []string) { deleteStreams(t, cfg.URL, topics) })
 	return b, nil
 }
 
@@ -276,50 +273,6 @@ func TestGroupSurvivesAMemberLeaving(t *testing.T) {
 	case <-time.After(ackWait + 10*time.Second):
 		t.Fatal("the group's consumer went away with its first member")
 	}
-}
-
-type recorder struct {
-	mu     sync.Mutex
-	topics map[string]bool
-}
-
-func (r *recorder) add(topic string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.topics == nil {
-		r.topics = map[string]bool{}
-	}
-	r.topics[topic] = true
-}
-
-func (r *recorder) list() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out []string
-	for t := range r.topics {
-		out = append(out, t)
-	}
-	return out
-}
-
-type recordingPublisher struct {
-	message.Publisher
-	rec *recorder
-}
-
-func (p *recordingPublisher) Publish(topic string, msgs ...*message.Message) error {
-	p.rec.add(topic)
-	return p.Publisher.Publish(topic, msgs...)
-}
-
-type recordingSubscriber struct {
-	message.Subscriber
-	rec *recorder
-}
-
-func (s *recordingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	s.rec.add(topic)
-	return s.Subscriber.Subscribe(ctx, topic)
 }
 
 // deleteStreams removes the streams (and their consumers) a test created.
