@@ -35,7 +35,10 @@ func Example() {
 	if _, err := pool.Exec(ctx, "CREATE TABLE "+accounts+" (id int PRIMARY KEY, balance bigint); INSERT INTO "+accounts+" VALUES (1, 0)"); err != nil {
 		log.Fatal(err)
 	}
-	defer pool.Exec(ctx, "DROP TABLE "+accounts+", "+store.Table()+"; DELETE FROM watermill_inbox_migrations WHERE table_name = $1", store.Table())
+	defer func() {
+		_, _ = pool.Exec(ctx, "DROP TABLE "+accounts+", "+store.Table()+", "+store.AttemptsTable())
+		_, _ = pool.Exec(ctx, "DELETE FROM watermill_inbox_migrations WHERE table_name = $1", store.Table())
+	}()
 
 	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing"}, nil)
 	if err != nil {

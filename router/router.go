@@ -3,7 +3,7 @@
 // PostgreSQL, RabbitMQ, NATS JetStream and Redis Streams without a code change.
 //
 //	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
-//	r, err := router.New(ctx, cfg, pool, logger)
+//	r, err := router.New(cfg, pool, logger)
 //	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing",
 //		BrokerSideFields: r.Broker.BrokerSideFields}, logger)
 //	r.AddConsumer(ib, "payments", func(msg *message.Message) error { ... })

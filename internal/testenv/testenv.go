@@ -58,7 +58,7 @@ func NewSchema(t testing.TB, maxConns int32) *Schema {
 	defer cancel()
 	admin, err := pgx.Connect(ctx, DatabaseURL())
 	if err != nil {
-		t.Fatalf("PostgreSQL is not reachable at INBOX_DATABASE_URL=%q: %v\nstart it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start", redact(DatabaseURL()), err)
+		t.Fatalf("PostgreSQL is not reachable at INBOX_DATABASE_URL=%q: %v\nif it is down, start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start; if the database or role is missing, see the README's quick start", redact(DatabaseURL()), err)
 	}
 	defer admin.Close(context.Background())
 	var b [5]byte

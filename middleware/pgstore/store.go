@@ -126,6 +126,10 @@ func newNames(cfg Config) (*Store, error) {
 // Table returns the quoted, schema-qualified inbox table name, e.g. "public"."inbox_processed_messages".
 func (s *Store) Table() string { return s.table }
 
+// AttemptsTable returns the quoted, schema-qualified attempts table name, e.g.
+// "public"."inbox_processed_messages_attempts".
+func (s *Store) AttemptsTable() string { return s.attempts }
+
 // Pool returns the pool the store claims on.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
