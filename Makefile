@@ -5,7 +5,7 @@ BROKER ?= postgres
 .PHONY: demo test bench services vet
 
 ## demo: the main job: real messages through a real broker, real duplicates, real crashes,
-## verified balances (BROKER=postgres|amqp).
+## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process).
 demo:
 	$(GO) run ./examples/billing -broker=$(BROKER)
 

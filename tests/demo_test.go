@@ -1,8 +1,10 @@
 package tests
 
 // This file runs the demo, examples/billing (what `make demo` runs), end to end as a user would:
-// built into a binary, run against the machine's PostgreSQL and RabbitMQ, judged by its exit
-// status and its summary. The demo itself crashes its consumer three times and verifies the
+// built into a binary, run against the machine's PostgreSQL and a broker, judged by its exit
+// status and its summary, on every broker: PostgreSQL (watermill-sql), RabbitMQ, Kafka (an
+// in-process kfake the demo starts), SQS (an in-process goaws the demo starts), NATS JetStream and
+// Redis Streams. The demo itself crashes its consumer three times and verifies the
 // balances, the dead-lettered poison payments and the receipts counted downstream.
 //
 // These tests are deliberately not t.Parallel: pgrestart_test.go restarts the shared PostgreSQL
@@ -11,6 +13,7 @@ package tests
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,31 +24,87 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	natsgo "github.com/nats-io/nats.go"
+	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 )
 
-// TestDemoBillingPostgres runs the demo with watermill-sql (PostgreSQL) as the broker.
-func TestDemoBillingPostgres(t *testing.T) {
-	out := demoRun(t, "postgres")
-	demoCheckSchemaDropped(t, out)
+// TestDemoBilling runs the demo on every broker, one subtest each (the demo binary is built
+// once).
+func TestDemoBilling(t *testing.T) {
+	bin := demoBuild(t)
+	for _, tc := range []struct {
+		broker string
+		// require fails the test (with testenv's hint) when the broker is down; nil: the
+		// demo starts the broker in-process (kafka: kfake, sqs: goaws).
+		require func(testing.TB) string
+		// check looks at the broker after a successful run: the run's topics are deleted.
+		check func(t *testing.T, out string)
+	}{
+		{broker: "postgres"},
+		{broker: "amqp", require: testenv.RequireAMQP, check: demoCheckQueueDeleted},
+		{broker: "kafka"},
+		{broker: "sqs"},
+		{broker: "nats", require: testenv.RequireNATS, check: demoCheckStreamsDeleted},
+		{broker: "redis", require: testenv.RequireRedis, check: demoCheckRedisKeysDeleted},
+	} {
+		t.Run(tc.broker, func(t *testing.T) {
+			if tc.require != nil {
+				tc.require(t)
+			}
+			out := demoRun(t, bin, tc.broker)
+			demoCheckSchemaDropped(t, out)
+			if tc.check != nil {
+				tc.check(t, out)
+			}
+		})
+	}
 }
 
-// TestDemoBillingAMQP runs the demo with RabbitMQ as the broker.
-func TestDemoBillingAMQP(t *testing.T) {
-	testenv.RequireAMQP(t)
-	out := demoRun(t, "amqp")
-	demoCheckSchemaDropped(t, out)
-	demoCheckQueueDeleted(t, out)
+// demoCheckStreamsDeleted checks that a successful NATS run deleted its streams.
+func demoCheckStreamsDeleted(t *testing.T, out string) {
+	t.Helper()
+	nc, err := natsgo.Connect(testenv.NATSURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := nc.JetStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, stream := range demoTopics(t, out) {
+		if _, err := js.StreamInfo(stream); !errors.Is(err, natsgo.ErrStreamNotFound) {
+			t.Errorf("stream %s: %v after a successful run, want it deleted", stream, err)
+		}
+	}
+}
+
+// demoCheckRedisKeysDeleted checks that a successful Redis run deleted its streams.
+func demoCheckRedisKeysDeleted(t *testing.T, out string) {
+	t.Helper()
+	opts, err := goredis.ParseURL(testenv.RedisURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc := goredis.NewClient(opts)
+	defer rc.Close()
+	n, err := rc.Exists(context.Background(), demoTopics(t, out)...).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Errorf("%d of the run's streams still exist after a successful run", n)
+	}
 }
 
 // demoRun builds and runs the demo with small numbers, fails t unless it exits 0 with the
 // expected summary, and returns its output.
-func demoRun(t *testing.T, broker string) string {
+func demoRun(t *testing.T, bin, broker string) string {
 	t.Helper()
 	// Fail (never skip) with testenv's hint when PostgreSQL is down.
 	testenv.NewPool(t, testenv.DatabaseURL(), 1)
-	bin := demoBuild(t)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -54,7 +113,8 @@ func demoRun(t *testing.T, broker string) string {
 		"-messages=400", "-accounts=20", "-dup-ratio=0.25",
 		"-poison=3", "-max-attempts=3",
 		"-timeout=100s")
-	cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+testenv.DatabaseURL(), "INBOX_AMQP_URL="+testenv.AMQPURL())
+	cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+testenv.DatabaseURL(), "INBOX_AMQP_URL="+testenv.AMQPURL(),
+		"INBOX_NATS_URL="+testenv.NATSURL(), "INBOX_REDIS_URL="+testenv.RedisURL())
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	start := time.Now()
@@ -88,6 +148,8 @@ func demoRun(t *testing.T, broker string) string {
 		`^poison\s+dead-lettered 3/3 after 3 attempts each: each once on topic \S*payments_dead_letters, its attempts row at 3 and dead-lettered; handler ran 9 times, 3 per payment \(consumer #3: \d+, #4: \d+\); no balance changed$`,
 		// One receipt per unique payment: outbox, relay, and the downstream inbox.
 		`^receipts\s+counted 400 = 400 unique payments, one each, by the receipts inbox; it skipped \d+ duplicates`,
+		// What the broker still holds for the billing consumer group after the stop.
+		`^broker\s+0 left after the stop \(`,
 		`^restarts\s+3 `,
 	} {
 		if !regexp.MustCompile(`(?m)` + want).MatchString(out) {
@@ -148,9 +210,8 @@ func demoCheckSchemaDropped(t *testing.T, out string) {
 	}
 }
 
-// demoCheckQueueDeleted checks that a successful AMQP run deleted its queues: payments, dead
-// letters and receipts.
-func demoCheckQueueDeleted(t *testing.T, out string) {
+// demoTopics returns the run's three topics: payments, dead letters and receipts.
+func demoTopics(t *testing.T, out string) []string {
 	t.Helper()
 	m := demoTopicRE.FindStringSubmatch(out)
 	if m == nil {
@@ -160,12 +221,19 @@ func demoCheckQueueDeleted(t *testing.T, out string) {
 	if !ok {
 		t.Fatalf("topic %q does not end in payments", m[1])
 	}
+	return []string{m[1], prefix + "payments_dead_letters", prefix + "receipts"}
+}
+
+// demoCheckQueueDeleted checks that a successful AMQP run deleted its queues: payments, dead
+// letters and receipts.
+func demoCheckQueueDeleted(t *testing.T, out string) {
+	t.Helper()
 	conn, err := amqp.NewConnection(amqp.ConnectionConfig{AmqpURI: testenv.AMQPURL()}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	for _, queue := range []string{m[1], prefix + "payments_dead_letters", prefix + "receipts"} {
+	for _, queue := range demoTopics(t, out) {
 		// A passive declare of a missing queue fails with 404 NOT_FOUND and closes the
 		// channel, so each queue gets a channel of its own.
 		ch, err := conn.Connection().Channel()

@@ -67,10 +67,10 @@ type topics struct {
 // runTopics names the topics. watermill-sql's DefaultPostgreSQLSchema stores topic "payments"
 // in the unqualified table "watermill_payments" (offsets in "watermill_offsets_payments"), which
 // the pools' search_path places in the run's own schema. RabbitMQ queues are global, so they
-// carry the run's ID.
+// carry the run's ID, and so do Kafka topics, SQS queues, NATS streams and Redis stream keys.
 func runTopics(broker, runID string) topics {
 	prefix := ""
-	if broker == brokerAMQP {
+	if broker != brokerPostgres {
 		prefix = "billing_demo_" + runID + "_"
 	}
 	return topics{payments: prefix + "payments", deadLetters: prefix + "payments_dead_letters", receipts: prefix + "receipts"}
@@ -158,9 +158,10 @@ type brokerAdmin interface {
 	Pending(ctx context.Context) (int64, error)
 	// PendingMeaning says what Pending counts, for the summary.
 	PendingMeaning() string
-	// DeadLetters reads every message on the dead-letter topic (for RabbitMQ: takes them off
-	// the queue).
-	DeadLetters(ctx context.Context) ([]deadLetter, error)
+	// DeadLetters reads every message on the dead-letter topic (for RabbitMQ and SQS: takes them off
+	// the queue; for the brokers of newAdapterBroker: consumes them in a group of their own
+	// until want arrived and no more came for a second).
+	DeadLetters(ctx context.Context, want int) ([]deadLetter, error)
 	// Cleanup deletes the broker-side state of the run that the schema drop does not cover.
 	Cleanup(ctx context.Context) error
 	Close() error
@@ -240,7 +241,7 @@ func (a *sqlAdmin) PendingMeaning() string {
 }
 
 // DeadLetters reads the dead-letter topic's table.
-func (a *sqlAdmin) DeadLetters(ctx context.Context) ([]deadLetter, error) {
+func (a *sqlAdmin) DeadLetters(ctx context.Context, _ int) ([]deadLetter, error) {
 	rows, err := a.pool.Query(ctx, "SELECT uuid, coalesce(metadata->>$1, '') FROM "+
 		qualified(a.schema, "watermill_"+a.topics.deadLetters)+` ORDER BY "offset"`, inbox.DeadLetterAttemptsKey)
 	if err != nil {
@@ -338,7 +339,7 @@ func (a *amqpAdmin) PendingMeaning() string {
 
 // DeadLetters takes every message off the dead-letter queue (basic.get, then ack), decoded by
 // watermill-amqp's marshaler. The consumers are stopped, so none is unacked elsewhere.
-func (a *amqpAdmin) DeadLetters(ctx context.Context) ([]deadLetter, error) {
+func (a *amqpAdmin) DeadLetters(ctx context.Context, _ int) ([]deadLetter, error) {
 	ch, err := a.conn.Connection().Channel()
 	if err != nil {
 		return nil, fmt.Errorf("open AMQP channel: %w", err)

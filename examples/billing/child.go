@@ -82,6 +82,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		"-app-name="+d.consumerAppName(c.n),
 	)
 	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL(), "INBOX_AMQP_URL="+amqpURL())
+	c.cmd.Env = append(c.cmd.Env, d.childEnv...)
 	c.cmd.SysProcAttr = childProcAttr() // the child dies with the orchestrator
 	var tee io.Writer
 	if d.o.verbose {

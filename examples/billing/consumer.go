@@ -96,8 +96,11 @@ func consume(ctx context.Context, o options) error {
 	// autocommit write and the receipts inbox transaction. Besides: the two watermill-sql
 	// subscribers' batch transactions, the relay's, the two publishers' on PostgreSQL, spares.
 	concurrency := 1
-	if o.broker == brokerAMQP {
+	switch {
+	case o.broker == brokerAMQP:
 		concurrency = o.amqpConsumers
+	case isAdapterBroker(o.broker):
+		concurrency = adapterConcurrency
 	}
 	pool, err := openPool(ctx, o.schema, o.appName, int32(3*concurrency+8))
 	if err != nil {
@@ -275,6 +278,22 @@ func newConsumerBroker(o options, pool *pgxpool.Pool, logger watermill.LoggerAda
 			b.receiptSubs = append(b.receiptSubs, sub)
 		}
 		b.pub = pub
+	default:
+		// Kafka, SQS, NATS, Redis: the adapter packages, one broker per consumer group. The
+		// subscription handles deliveries concurrently (Kafka: one per partition; NATS:
+		// SubscribersCount; SQS: MaxInFlight; Redis: one at a time).
+		payments, err := newAdapterBroker(o.broker, consumerName, logger)
+		if err != nil {
+			return nil, fmt.Errorf("%s broker: %w", o.broker, err)
+		}
+		b.closes = append(b.closes, payments.Close)
+		receipts, err := newAdapterBroker(o.broker, receiptsConsumerName, logger)
+		if err != nil {
+			b.Close()
+			return nil, fmt.Errorf("%s broker: %w", o.broker, err)
+		}
+		b.closes = append(b.closes, receipts.Close)
+		b.paymentSubs, b.receiptSubs, b.pub = []message.Subscriber{payments.Subscriber}, []message.Subscriber{receipts.Subscriber}, payments.Publisher
 	}
 	return b, nil
 }

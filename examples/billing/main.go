@@ -5,7 +5,7 @@
 // once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
 // and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run ./examples/billing [-broker=postgres|amqp] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
+//	go run ./examples/billing [-broker=postgres|amqp|kafka|sqs|nats|redis] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
 // inbox and the outbox into it, creates the accounts (one of them frozen), publishes the
@@ -35,7 +35,10 @@
 // "OK", or status 1 and "FAIL: <reason>".
 //
 // Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
-// and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/).
+// and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/), for
+// -broker=nats INBOX_NATS_URL (default nats://127.0.0.1:4222), for -broker=redis INBOX_REDIS_URL
+// (default redis://127.0.0.1:6379). For -broker=kafka and -broker=sqs the orchestrator starts an
+// in-process kfake cluster or goaws and passes its address to the consumers (brokers.go).
 package main
 
 import (
@@ -43,6 +46,8 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -87,7 +92,7 @@ func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("billing", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", roleOrchestrator, "orchestrator (default) or consumer (internal: the orchestrator starts the consumer)")
-	fs.StringVar(&o.broker, "broker", brokerPostgres, "message broker: postgres (watermill-sql on the same database) or amqp (RabbitMQ at INBOX_AMQP_URL)")
+	fs.StringVar(&o.broker, "broker", brokerPostgres, "message broker: postgres (watermill-sql on the same database), amqp (RabbitMQ at INBOX_AMQP_URL), kafka (an in-process kfake cluster), sqs (an in-process goaws), nats (JetStream at INBOX_NATS_URL) or redis (Redis Streams at INBOX_REDIS_URL)")
 	fs.IntVar(&o.messages, "messages", 2000, "unique payment messages to publish (at least 20)")
 	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
@@ -114,8 +119,8 @@ func parseFlags(args []string) (options, error) {
 	switch {
 	case o.role != roleOrchestrator && o.role != roleConsumer:
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
-	case o.broker != brokerPostgres && o.broker != brokerAMQP:
-		return o, fmt.Errorf("-broker=%q: want %s or %s", o.broker, brokerPostgres, brokerAMQP)
+	case !slices.Contains(allBrokers, o.broker):
+		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(allBrokers, ", "))
 	case o.messages < 20:
 		return o, errors.New("-messages must be at least 20")
 	case o.accounts < 1:

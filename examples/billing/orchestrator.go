@@ -53,7 +53,11 @@ type demo struct {
 	// schemaCreated: the schema exists, drop it on success, keep it on failure.
 	schemaCreated bool
 	broker        brokerAdmin
-	w             *workload
+	// childEnv reaches the in-process broker (kafka, sqs) from the consumers; stopLocalBroker
+	// stops it.
+	childEnv        []string
+	stopLocalBroker func()
+	w               *workload
 
 	children int
 	running  *child   // the last consumer started, killed on every exit path
@@ -82,6 +86,9 @@ func runOrchestrator(o options) int {
 	}
 	if d.pool != nil {
 		d.pool.Close()
+	}
+	if d.stopLocalBroker != nil {
+		d.stopLocalBroker()
 	}
 	if err != nil {
 		switch {
@@ -119,8 +126,20 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	// Connect to RabbitMQ before creating anything, so an unreachable broker leaves no schema.
 	// watermill-sql's topics are tables in the run's schema: created after it.
 	logger := watermill.NopLogger{}
-	if d.o.broker == brokerAMQP {
+	switch {
+	case d.o.broker == brokerAMQP:
 		b, err := newAMQPAdmin(d.topics, logger)
+		if err != nil {
+			return err
+		}
+		d.broker = b
+	case isAdapterBroker(d.o.broker):
+		env, stop, err := startLocalBroker(d.o.broker)
+		if err != nil {
+			return err
+		}
+		d.childEnv, d.stopLocalBroker = env, stop
+		b, err := newAdapterAdmin(d.o.broker, d.topics, logger)
 		if err != nil {
 			return err
 		}
@@ -628,7 +647,7 @@ func (d *demo) verifyPoison(ctx context.Context) (poisonRuns, error) {
 		isPoison[id] = true
 	}
 
-	dls, err := d.broker.DeadLetters(ctx)
+	dls, err := d.broker.DeadLetters(ctx, len(d.w.poisonIDs))
 	if err != nil {
 		return poisonRuns{}, err
 	}

@@ -50,6 +50,20 @@ type Cluster struct {
 // DefaultPartitions partitions. It fails t if the cluster cannot start.
 func NewCluster(t testing.TB, topics ...Topic) *Cluster {
 	t.Helper()
+	opts, err := clusterOpts(topics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kfake.NewCluster(opts...)
+	if err != nil {
+		t.Fatalf("kafkatest: start kfake: %v", err)
+	}
+	t.Cleanup(c.Close)
+	return &Cluster{Cluster: c, addrs: c.ListenAddrs()}
+}
+
+// clusterOpts are the options of the clusters NewCluster and Start start.
+func clusterOpts(topics []Topic) ([]kfake.Opt, error) {
 	opts := []kfake.Opt{
 		kfake.NumBrokers(NumBrokers),
 		kfake.GroupMinSessionTimeout(MinSessionTimeout),
@@ -58,16 +72,26 @@ func NewCluster(t testing.TB, topics ...Topic) *Cluster {
 	}
 	for _, tp := range topics {
 		if tp.Name == "" || tp.Partitions < 1 {
-			t.Fatalf("kafkatest: invalid topic %+v", tp)
+			return nil, fmt.Errorf("kafkatest: invalid topic %+v", tp)
 		}
 		opts = append(opts, kfake.SeedTopics(tp.Partitions, tp.Name))
 	}
+	return opts, nil
+}
+
+// Start starts a cluster like NewCluster's, outside a test (e.g. the demo, examples/billing,
+// which passes the addresses to its child processes): it returns the brokers' "host:port"
+// addresses and a function that stops the cluster.
+func Start(topics ...Topic) (addrs []string, stop func(), err error) {
+	opts, err := clusterOpts(topics)
+	if err != nil {
+		return nil, nil, err
+	}
 	c, err := kfake.NewCluster(opts...)
 	if err != nil {
-		t.Fatalf("kafkatest: start kfake: %v", err)
+		return nil, nil, fmt.Errorf("kafkatest: start kfake: %w", err)
 	}
-	t.Cleanup(c.Close)
-	return &Cluster{Cluster: c, addrs: c.ListenAddrs()}
+	return c.ListenAddrs(), c.Close, nil
 }
 
 // Addrs returns the brokers' "host:port" addresses, for Config.Brokers.

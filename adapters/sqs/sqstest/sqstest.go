@@ -1,6 +1,6 @@
 // Package sqstest runs goaws (github.com/Admiral-Piett/goaws v0.4.5), an SQS emulator,
-// inside a test binary, and gives SQS clients the options to reach it. It is test support:
-// never import it from production code.
+// inside a test binary, and gives SQS clients the options to reach it. It is test support
+// (and the in-process SQS of the demo, examples/billing): never import it from production code.
 //
 //	func TestMain(m *testing.M) { sqstest.Main(m) }
 //
