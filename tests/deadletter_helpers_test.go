@@ -78,8 +78,8 @@ func recordRun(pool *pgxpool.Pool, msg *message.Message) (int64, error) {
 // errLedger is the poison handler's failure.
 var errLedger = errors.New("ledger rejected the entry")
 
-// dlConsumerConfig configures startDLConsumer: the bank consumer of helpers_test.go (Pool,
-// Schema, AMQPURL, Queue, Logger, RecordDeliveries, AfterUpdate are used) with an inbox that
+// dlConsumerConfig configures startDLConsumer: the bank consumer of helpers_test.go (its
+// variant fields are set by startDLConsumer; Subscriptions is not used) with an inbox that
 // dead-letters to the RabbitMQ queue DeadLetterQueue.
 type dlConsumerConfig struct {
 	consumerConfig
@@ -88,80 +88,31 @@ type dlConsumerConfig struct {
 	MaxAttempts int
 }
 
-// startDLConsumer runs a router consuming cfg.Queue with the bank handler behind an inbox whose
-// dead-letter publisher is a real watermill-amqp publisher (publisher confirms) to
-// cfg.DeadLetterQueue. Middleware order, outermost first: success counter, a 50 ms pause
-// before a nack (a requeued message is redelivered at once), delivery recorder, the inbox.
-// The consumer is closed when t ends.
+// startDLConsumer runs startConsumer on cfg.Queue with one bank handler, dlHandlerName,
+// behind an inbox whose dead-letter publisher is a real watermill-amqp publisher (publisher
+// confirms) to cfg.DeadLetterQueue, and a 50 ms pause before a nack (a requeued message is
+// redelivered at once). The consumer is closed when t ends.
 func startDLConsumer(t testing.TB, cfg dlConsumerConfig) *consumer {
 	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
-	}
-	store, err := pgstore.New(cfg.Pool, pgstore.Config{Schema: cfg.Schema})
-	if err != nil {
-		t.Fatalf("pgstore.New: %v", err)
 	}
 	dlPub, err := amqp.NewPublisher(amqpQueueConfig(cfg.AMQPURL), cfg.Logger)
 	if err != nil {
 		t.Fatalf("dead-letter publisher: %v", err)
 	}
 	t.Cleanup(func() { _ = dlPub.Close() }) // registered first: runs after the router closed
-	ib, err := inbox.New(inbox.Config{
-		Store:               store,
-		ConsumerName:        bankConsumerName,
+	cc := cfg.consumerConfig
+	cc.InboxConfig = inbox.Config{
 		DeadLetterPublisher: dlPub,
 		DeadLetterTopic:     cfg.DeadLetterQueue,
 		MaxAttempts:         cfg.MaxAttempts,
-	}, cfg.Logger)
-	if err != nil {
-		t.Fatalf("inbox.New: %v", err)
 	}
-	sub, err := amqp.NewSubscriber(amqpQueueConfig(cfg.AMQPURL), cfg.Logger)
-	if err != nil {
-		t.Fatalf("amqp subscriber: %v", err)
+	cc.NackDelay = 50 * time.Millisecond
+	cc.Handlers = func(router *message.Router, sub message.Subscriber) []*message.Handler {
+		return []*message.Handler{router.AddConsumerHandler(dlHandlerName, cc.Queue, sub, bankHandler(cc))}
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, cfg.Logger)
-	if err != nil {
-		t.Fatalf("router: %v", err)
-	}
-	c := &consumer{Router: router, Inbox: ib, done: make(chan struct{})}
-	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg)
-			if err == nil {
-				c.Succeeded.Add(1)
-			}
-			return out, err
-		}
-	}, nackDelay(50*time.Millisecond))
-	if cfg.RecordDeliveries {
-		router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-			return func(msg *message.Message) ([]*message.Message, error) {
-				if _, err := cfg.Pool.Exec(msg.Context(), "INSERT INTO deliveries (message_id, redelivered, pid) VALUES ($1, $2, $3)",
-					msg.UUID, amqp.IsMessageRedelivered(msg), os.Getpid()); err != nil {
-					return nil, fmt.Errorf("record delivery: %w", err)
-				}
-				return h(msg)
-			}
-		})
-	}
-	h := router.AddConsumerHandler(dlHandlerName, cfg.Queue, sub, bankHandler(cfg.consumerConfig))
-	h.AddMiddleware(ib.Middleware)
-
-	go func() {
-		defer close(c.done)
-		c.runErr = router.Run(context.Background())
-	}()
-	select {
-	case <-router.Running():
-	case <-c.done:
-		t.Fatalf("router stopped before running: %v", c.runErr)
-	case <-time.After(15 * time.Second):
-		t.Fatal("router did not start within 15s")
-	}
-	t.Cleanup(func() { _ = c.Close() })
-	return c
+	return startConsumer(t, cc)
 }
 
 // Environment of the dead-letter child consumer (TestHelperDeadLetterConsumer), beside

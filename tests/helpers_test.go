@@ -252,16 +252,25 @@ type consumerConfig struct {
 	Outer []message.HandlerMiddleware
 	// AfterUpdate, when set, runs inside the handler after its UPDATE; its error is returned.
 	AfterUpdate func(msg *message.Message) error
+
+	// The variants of startDLConsumer and obStartProducer:
+
+	// InboxConfig is the inbox configuration; startConsumer sets its Store and ConsumerName
+	// (bankConsumerName).
+	InboxConfig inbox.Config
+	// NackDelay is the pause before a failed delivery is nacked. Default 25 ms.
+	NackDelay time.Duration
+	// Handlers adds the router handlers consuming sub, to each of which startConsumer adds the
+	// inbox middleware. Default: Subscriptions bank handlers named "bank-<i>".
+	Handlers func(router *message.Router, sub message.Subscriber) []*message.Handler
 }
 
 // consumer is a running router.
 type consumer struct {
-	Router *message.Router
-	Inbox  *inbox.Inbox
+	*testenv.RunningRouter
+	Inbox *inbox.Inbox
 	// Succeeded counts handler-chain returns without error, i.e. deliveries the router acks.
 	Succeeded atomic.Int64
-	done      chan struct{}
-	runErr    error
 }
 
 // nackDelay pauses before a failed delivery is nacked, so a requeued message does not spin
@@ -311,7 +320,7 @@ func bankHandler(cfg consumerConfig) message.NoPublishHandlerFunc {
 
 // startConsumer builds and runs the consumer, waits until it subscribed, and closes it when t
 // ends. Middleware order, outermost first: success counter, nackDelay, delivery recorder,
-// cfg.Outer, the inbox, the bank handler.
+// cfg.Outer, the inbox, the handler (by default the bank handler).
 func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 	t.Helper()
 	if cfg.Subscriptions == 0 {
@@ -320,11 +329,25 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
+	if cfg.NackDelay == 0 {
+		cfg.NackDelay = 25 * time.Millisecond
+	}
+	if cfg.Handlers == nil {
+		cfg.Handlers = func(router *message.Router, sub message.Subscriber) []*message.Handler {
+			hs := make([]*message.Handler, cfg.Subscriptions)
+			for i := range hs {
+				hs[i] = router.AddConsumerHandler(fmt.Sprintf("bank-%d", i), cfg.Queue, sub, bankHandler(cfg))
+			}
+			return hs
+		}
+	}
 	store, err := pgstore.New(cfg.Pool, pgstore.Config{Schema: cfg.Schema})
 	if err != nil {
 		t.Fatalf("pgstore.New: %v", err)
 	}
-	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: bankConsumerName}, cfg.Logger)
+	icfg := cfg.InboxConfig
+	icfg.Store, icfg.ConsumerName = store, bankConsumerName
+	ib, err := inbox.New(icfg, cfg.Logger)
 	if err != nil {
 		t.Fatalf("inbox.New: %v", err)
 	}
@@ -336,7 +359,7 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 	if err != nil {
 		t.Fatalf("router: %v", err)
 	}
-	c := &consumer{Router: router, Inbox: ib, done: make(chan struct{})}
+	c := &consumer{Inbox: ib}
 
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -346,7 +369,7 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 			}
 			return out, err
 		}
-	}, nackDelay(25*time.Millisecond))
+	}, nackDelay(cfg.NackDelay))
 	if cfg.RecordDeliveries {
 		router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {
@@ -359,35 +382,11 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 		})
 	}
 	router.AddMiddleware(cfg.Outer...)
-	for i := 0; i < cfg.Subscriptions; i++ {
-		h := router.AddConsumerHandler(fmt.Sprintf("bank-%d", i), cfg.Queue, sub, bankHandler(cfg))
+	for _, h := range cfg.Handlers(router, sub) {
 		h.AddMiddleware(ib.Middleware) // handler-level, added after the router-level ones: innermost
 	}
-
-	go func() {
-		defer close(c.done)
-		c.runErr = router.Run(context.Background())
-	}()
-	select {
-	case <-router.Running():
-	case <-c.done:
-		t.Fatalf("router stopped before running: %v", c.runErr)
-	case <-time.After(15 * time.Second):
-		t.Fatal("router did not start within 15s")
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	c.RunningRouter = testenv.RunRouter(t, router)
 	return c
-}
-
-// Close closes the router (in-flight deliveries finish first) and waits for Run to return.
-func (c *consumer) Close() error {
-	err := c.Router.Close()
-	select {
-	case <-c.done:
-	case <-time.After(20 * time.Second):
-		return errors.Join(err, errors.New("router Run did not return within 20s"))
-	}
-	return errors.Join(err, c.runErr)
 }
 
 // countingLogger counts the errors logged per inbox step (claim, handler, commit, other) and

@@ -108,38 +108,23 @@ type obProducerConfig struct {
 // records its run on an autocommit connection. It runs no relay.
 func obStartProducer(t testing.TB, cfg obProducerConfig) *consumer {
 	t.Helper()
-	store, err := pgstore.New(cfg.Pool, pgstore.Config{Schema: cfg.Schema})
-	if err != nil {
-		t.Fatalf("pgstore.New: %v", err)
-	}
 	ob, err := outbox.New(outbox.Config{}, cfg.Logger)
 	if err != nil {
 		t.Fatalf("outbox.New: %v", err)
 	}
-	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: bankConsumerName, Outbox: ob}, cfg.Logger)
-	if err != nil {
-		t.Fatalf("inbox.New: %v", err)
-	}
-	sub, err := amqp.NewSubscriber(amqpQueueConfig(cfg.AMQPURL), cfg.Logger)
-	if err != nil {
-		t.Fatalf("amqp subscriber: %v", err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, cfg.Logger)
-	if err != nil {
-		t.Fatalf("router: %v", err)
-	}
-	c := &consumer{Router: router, Inbox: ib, done: make(chan struct{})}
-	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg)
-			if err == nil {
-				c.Succeeded.Add(1)
-			}
-			return out, err
-		}
-	}, nackDelay(25*time.Millisecond))
-	router.AddMiddleware(cfg.Outer...)
-	h := router.AddHandler("bank-producer", cfg.Queue, sub, cfg.Downstream, obRefusingPublisher{}, func(msg *message.Message) ([]*message.Message, error) {
+	return startConsumer(t, consumerConfig{
+		Pool: cfg.Pool, Schema: cfg.Schema, AMQPURL: cfg.AMQPURL, Queue: cfg.Queue, Logger: cfg.Logger, Outer: cfg.Outer,
+		InboxConfig: inbox.Config{Outbox: ob},
+		Handlers: func(router *message.Router, sub message.Subscriber) []*message.Handler {
+			return []*message.Handler{router.AddHandler("bank-producer", cfg.Queue, sub, cfg.Downstream, obRefusingPublisher{}, obProducerHandler(cfg.Pool))}
+		},
+	})
+}
+
+// obProducerHandler applies a payment on the inbox transaction, records its run on an
+// autocommit connection and returns obProducedFor's messages.
+func obProducerHandler(pool *pgxpool.Pool) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		var p payment
 		if err := json.Unmarshal(msg.Payload, &p); err != nil {
@@ -149,34 +134,14 @@ func obStartProducer(t testing.TB, cfg obProducerConfig) *consumer {
 		if !ok {
 			return nil, errors.New("no inbox transaction in the message context")
 		}
-		if _, err := cfg.Pool.Exec(ctx, "INSERT INTO handler_runs (message_id, pid) VALUES ($1, $2)", msg.UUID, os.Getpid()); err != nil {
+		if _, err := pool.Exec(ctx, "INSERT INTO handler_runs (message_id, pid) VALUES ($1, $2)", msg.UUID, os.Getpid()); err != nil {
 			return nil, fmt.Errorf("record handler run: %w", err)
 		}
 		if _, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance + $1 WHERE id = $2", p.Amount, p.Account); err != nil {
 			return nil, fmt.Errorf("update balance: %w", err)
 		}
 		return obProducedFor(msg, p), nil
-	})
-	h.AddMiddleware(ib.Middleware)
-	obRunRouter(t, c)
-	return c
-}
-
-// obRunRouter runs c.Router, waits until it subscribed and closes it when t ends.
-func obRunRouter(t testing.TB, c *consumer) {
-	t.Helper()
-	go func() {
-		defer close(c.done)
-		c.runErr = c.Router.Run(context.Background())
-	}()
-	select {
-	case <-c.Router.Running():
-	case <-c.done:
-		t.Fatalf("router stopped before running: %v", c.runErr)
-	case <-time.After(15 * time.Second):
-		t.Fatal("router did not start within 15s")
 	}
-	t.Cleanup(func() { _ = c.Close() })
 }
 
 // obDownstream is the downstream consumer: an inbox "downstream" that stores every message it
@@ -204,7 +169,7 @@ func obStartDownstream(t testing.TB, pool *pgxpool.Pool, schema, amqpURL, queue 
 	if err != nil {
 		t.Fatalf("router: %v", err)
 	}
-	d := &obDownstream{consumer: &consumer{Router: router, Inbox: ib, done: make(chan struct{})}}
+	d := &obDownstream{consumer: &consumer{Inbox: ib}}
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			d.Deliveries.Add(1)
@@ -224,7 +189,7 @@ func obStartDownstream(t testing.TB, pool *pgxpool.Pool, schema, amqpURL, queue 
 			msg.UUID, msg.Metadata.Get("source_message"), msg.Metadata.Get("name"), msg.Metadata.Get("seq"), string(msg.Payload))
 		return err
 	})
-	obRunRouter(t, d.consumer)
+	d.RunningRouter = testenv.RunRouter(t, router)
 	return d
 }
 

@@ -209,10 +209,8 @@ type consumerConfig struct {
 
 // consumer is a running router.
 type consumer struct {
-	Router *message.Router
-	Inbox  *inbox.Inbox
-	done   chan struct{}
-	runErr error
+	*testenv.RunningRouter
+	Inbox *inbox.Inbox
 }
 
 // bankHandler applies a payment on the inbox transaction and records who applied it.
@@ -275,8 +273,6 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 	if err != nil {
 		t.Fatalf("router: %v", err)
 	}
-	c := &consumer{Router: router, Inbox: ib, done: make(chan struct{})}
-
 	pid := os.Getpid()
 	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -296,31 +292,7 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 	h := router.AddConsumerHandler("bank", cfg.Topic, sub, bankHandler(cfg))
 	h.AddMiddleware(ib.Middleware) // handler-level, added after the router-level ones: innermost
 
-	go func() {
-		defer close(c.done)
-		c.runErr = router.Run(context.Background())
-	}()
-	select {
-	case <-router.Running():
-	case <-c.done:
-		t.Fatalf("router stopped before running: %v", c.runErr)
-	case <-time.After(15 * time.Second):
-		t.Fatal("router did not start within 15s")
-	}
-	t.Cleanup(func() { _ = c.Close() })
-	return c
-}
-
-// Close closes the router (in-flight deliveries finish first, the subscriber leaves the group)
-// and waits for Run to return.
-func (c *consumer) Close() error {
-	err := c.Router.Close()
-	select {
-	case <-c.done:
-	case <-time.After(20 * time.Second):
-		return errors.Join(err, errors.New("router Run did not return within 20s"))
-	}
-	return errors.Join(err, c.runErr)
+	return &consumer{RunningRouter: testenv.RunRouter(t, router), Inbox: ib}
 }
 
 // ---------------------------------------------------------------------------------------------
