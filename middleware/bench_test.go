@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -42,17 +41,8 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	const accounts = 10000
 	sch := testenv.NewSchema(b, int32(slots)+2)
 	ctx := context.Background()
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := store.Migrate(ctx); err != nil {
-		b.Fatal(err)
-	}
-	if _, err := sch.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-		INSERT INTO accounts SELECT g, 0 FROM generate_series(1, `+strconv.Itoa(accounts)+`) g`); err != nil {
-		b.Fatal(err)
-	}
+	store := sch.Store(b)
+	sch.CreateAccounts(b, accounts)
 	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "bench"}, nil)
 	if err != nil {
 		b.Fatal(err)

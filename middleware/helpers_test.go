@@ -26,18 +26,8 @@ type env struct {
 func newEnv(t *testing.T, conns int32) *env {
 	t.Helper()
 	sch := testenv.NewSchema(t, conns)
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := sch.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-		INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 10) g`); err != nil {
-		t.Fatal(err)
-	}
+	store := sch.Store(t)
+	sch.CreateAccounts(t, 10)
 	t.Cleanup(func() {
 		// Every delivery must give its connection back, whatever happened to it. A broken
 		// connection counts as acquired until pgxpool has finished closing it, in the

@@ -485,26 +485,29 @@ func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim
 		}
 	}()
 
-	fields := watermill.LogFields{"message_uuid": safeUUID(msg.UUID), "attempt": res.Attempt}
+	// Built only when something is logged: not on the path of a processed message.
+	fields := func() watermill.LogFields {
+		return watermill.LogFields{"message_uuid": safeUUID(msg.UUID), "attempt": res.Attempt}
+	}
 	switch {
 	case res.DeadLettered:
 		finished = true
 		i.finish(ctx, tx.Rollback)
 		i.deadLetteredSkips.Add(1)
-		i.logger.Info("Dead-lettered message delivered again; skipped", fields)
+		i.logger.Info("Dead-lettered message delivered again; skipped", fields())
 		return r
 	case !res.Claimed:
 		// Commit rather than roll back: the transaction deleted the attempt record this
 		// delivery created. The claim itself is certain, so a failed commit changes nothing.
 		finished = true
 		if err := i.finish(ctx, tx.Commit); err != nil {
-			i.logger.Debug("Commit of a duplicate's transaction failed", fields.Add(watermill.LogFields{"error": err.Error()}))
+			i.logger.Debug("Commit of a duplicate's transaction failed", fields().Add(watermill.LogFields{"error": err.Error()}))
 		}
 		if len(res.StoredPayloadHash) > 0 && !bytes.Equal(res.StoredPayloadHash, claim.PayloadHash) {
 			return i.collision(msg, claim, r)
 		}
 		i.duplicates.Add(1)
-		i.logger.Debug("Duplicate message skipped", fields)
+		i.logger.Debug("Duplicate message skipped", fields())
 		return r
 	case countAttempt && res.Attempt > i.cfg.MaxAttempts:
 		// Earlier attempts crashed before they could dead-letter the message.

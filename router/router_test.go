@@ -115,16 +115,8 @@ func TestSameHandlerOnEachBroker(t *testing.T) {
 		t.Run(cfg.Broker, func(t *testing.T) {
 			sch := testenv.NewSchema(t, 8)
 			ctx := context.Background()
-			store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := store.Migrate(ctx); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := sch.Pool.Exec(ctx, "CREATE TABLE ledger (message_id text PRIMARY KEY)"); err != nil {
-				t.Fatal(err)
-			}
+			store := sch.Store(t)
+			sch.Exec(t, "CREATE TABLE ledger (message_id text PRIMARY KEY)")
 			r, err := router.New(cfg, sch.Pool, nil)
 			if err != nil {
 				t.Fatal(err)

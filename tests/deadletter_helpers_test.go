@@ -6,8 +6,6 @@ package tests
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -234,43 +232,6 @@ func (c *childProc) stopDL(t testing.TB) inbox.Stats {
 		t.Fatalf("parse %q: %v", line, err)
 	}
 	return st
-}
-
-// newQueueWithArgs is rabbitAdmin.newQueue with extra queue arguments (e.g. a length limit).
-// The publishers of these tests use RabbitMQ's default exchange and do not declare queues, so
-// the arguments need not match amqpQueueConfig's.
-func (r *rabbitAdmin) newQueueWithArgs(t testing.TB, extra map[string]any) string {
-	t.Helper()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	name := "inbox_it_" + strings.ToLower(nonName.ReplaceAllString(t.Name(), "_")) + "_" + hex.EncodeToString(b[:])
-	args := map[string]any{}
-	for k, v := range amqpQueueConfig(r.url).Queue.Arguments {
-		args[k] = v
-	}
-	for k, v := range extra {
-		args[k] = v
-	}
-	ch, err := r.conn.Connection().Channel()
-	if err != nil {
-		t.Fatalf("open channel: %v", err)
-	}
-	defer ch.Close()
-	if _, err := ch.QueueDeclare(name, true, false, false, false, args); err != nil {
-		t.Fatalf("declare queue %s: %v", name, err)
-	}
-	t.Cleanup(func() {
-		ch, err := r.conn.Connection().Channel()
-		if err != nil {
-			t.Errorf("delete queue %s: %v", name, err)
-			return
-		}
-		defer ch.Close()
-		if _, err := ch.QueueDelete(name, false, false, false); err != nil {
-			t.Errorf("delete queue %s: %v", name, err)
-		}
-	})
-	return name
 }
 
 // take removes the next ready message from queue (basic.get, then ack) and returns it decoded

@@ -38,11 +38,10 @@ import (
 // bankConsumerName is the inbox consumer name of every consumer in these tests.
 const bankConsumerName = "bank"
 
-// bankSchemaSQL creates the business table and the observation tables. handler_runs and
+// bankSchemaSQL creates the observation tables (testenv's CreateAccounts the business table). handler_runs and
 // deliveries are written on separate autocommit connections, so they record attempts whose
 // inbox transaction rolled back or whose process was killed.
 const bankSchemaSQL = `
-CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
 CREATE TABLE handler_runs (id bigserial PRIMARY KEY, message_id text NOT NULL, pid int NOT NULL);
 CREATE TABLE deliveries (id bigserial PRIMARY KEY, message_id text NOT NULL, redelivered bool NOT NULL, pid int NOT NULL);
 CREATE TABLE attempts (message_id text PRIMARY KEY, n int NOT NULL);
@@ -52,22 +51,9 @@ CREATE TABLE attempts (message_id text PRIMARY KEY, n int NOT NULL);
 // the inbox table into it and returns the store.
 func setupBank(t testing.TB, schema *testenv.Schema, accounts int) *pgstore.Store {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	if _, err := schema.Pool.Exec(ctx, bankSchemaSQL); err != nil {
-		t.Fatalf("create bank tables: %v", err)
-	}
-	if _, err := schema.Pool.Exec(ctx, "INSERT INTO accounts (id) SELECT generate_series(1, $1::int)", accounts); err != nil {
-		t.Fatalf("create accounts: %v", err)
-	}
-	store, err := pgstore.New(schema.Pool, pgstore.Config{Schema: schema.Name})
-	if err != nil {
-		t.Fatalf("pgstore.New: %v", err)
-	}
-	if _, err := store.Migrate(ctx); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	return store
+	schema.CreateAccounts(t, accounts)
+	schema.Exec(t, bankSchemaSQL)
+	return schema.Store(t)
 }
 
 // payment is the message payload: add Amount to account Account.
@@ -178,16 +164,31 @@ var nonName = regexp.MustCompile(`[^A-Za-z0-9]+`)
 // ends.
 func (r *rabbitAdmin) newQueue(t testing.TB) string {
 	t.Helper()
+	return r.newQueueWithArgs(t, nil)
+}
+
+// newQueueWithArgs declares a durable queue with a name unique to this test run, with
+// amqpQueueConfig's arguments plus extra (e.g. a length limit), and deletes it when t ends.
+// The publishers of these tests use RabbitMQ's default exchange and do not declare queues, so
+// the arguments need not match amqpQueueConfig's.
+func (r *rabbitAdmin) newQueueWithArgs(t testing.TB, extra map[string]any) string {
+	t.Helper()
 	var b [6]byte
 	_, _ = rand.Read(b[:])
 	name := "inbox_it_" + strings.ToLower(nonName.ReplaceAllString(t.Name(), "_")) + "_" + hex.EncodeToString(b[:])
-	cfg := amqpQueueConfig(r.url)
+	args := map[string]any{}
+	for k, v := range amqpQueueConfig(r.url).Queue.Arguments {
+		args[k] = v
+	}
+	for k, v := range extra {
+		args[k] = v
+	}
 	ch, err := r.conn.Connection().Channel()
 	if err != nil {
 		t.Fatalf("open channel: %v", err)
 	}
 	defer ch.Close()
-	if _, err := ch.QueueDeclare(name, cfg.Queue.Durable, cfg.Queue.AutoDelete, cfg.Queue.Exclusive, false, cfg.Queue.Arguments); err != nil {
+	if _, err := ch.QueueDeclare(name, true, false, false, false, args); err != nil {
 		t.Fatalf("declare queue %s: %v", name, err)
 	}
 	t.Cleanup(func() {

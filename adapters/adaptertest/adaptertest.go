@@ -61,8 +61,6 @@ const (
 const consumerName = "matrix"
 
 const schemaSQL = `
-CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 5) g;
 CREATE TABLE handler_runs (message_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE TABLE deliveries (message_id text NOT NULL, pid int NOT NULL);
 `
@@ -95,22 +93,12 @@ type fixture struct {
 	group  string
 }
 
-func newBenchSchema(b *testing.B) *testenv.Schema { return testenv.NewSchema(b, 24) }
-
 func newFixture(t *testing.T, h Harness) *fixture {
 	t.Helper()
 	sch := testenv.NewSchema(t, 16)
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if _, err := store.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := sch.Pool.Exec(ctx, schemaSQL); err != nil {
-		t.Fatal(err)
-	}
+	store := sch.Store(t)
+	sch.CreateAccounts(t, 5)
+	sch.Exec(t, schemaSQL)
 	f := &fixture{t: t, h: h, sch: sch, store: store, topic: randomName("matrix"), group: randomName("group")}
 	f.broker = f.newBroker()
 	return f

@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -27,19 +28,9 @@ func Benchmark(b *testing.B, h Harness, handlers int) {
 	if h.Timeout == 0 {
 		h.Timeout = 60 * time.Second
 	}
-	sch := newBenchSchema(b)
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx := context.Background()
-	if _, err := store.Migrate(ctx); err != nil {
-		b.Fatal(err)
-	}
-	if _, err := sch.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
-		INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 1000) g`); err != nil {
-		b.Fatal(err)
-	}
+	sch := testenv.NewSchema(b, 24)
+	store := sch.Store(b)
+	sch.CreateAccounts(b, 1000)
 	var ib *inbox.Inbox
 
 	update := func(ctx context.Context, tx pgx.Tx, m *message.Message) error {

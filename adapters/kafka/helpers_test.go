@@ -38,12 +38,11 @@ const bankConsumerName = "bank"
 // partitionKeyMetadata is the metadata field the test publisher's PartitionKey reads.
 const partitionKeyMetadata = "pkey"
 
-// bankSchemaSQL creates the business table and the observation tables. applied is written in
+// bankSchemaSQL creates the observation tables (testenv's CreateAccounts the business table). applied is written in
 // the inbox transaction (so it holds exactly the committed effects and who applied them);
 // deliveries is written on an autocommit connection before the inbox runs, so it records every
 // delivery, including redeliveries skipped as duplicates and those of killed processes.
 const bankSchemaSQL = `
-CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0);
 CREATE TABLE applied (id bigserial PRIMARY KEY, message_id text NOT NULL, consumer text NOT NULL);
 CREATE TABLE deliveries (id bigserial PRIMARY KEY, message_id text NOT NULL, kafka_partition int NOT NULL,
 	kafka_offset bigint NOT NULL, consumer text NOT NULL, pid int NOT NULL);
@@ -53,22 +52,9 @@ CREATE TABLE deliveries (id bigserial PRIMARY KEY, message_id text NOT NULL, kaf
 // the inbox table into it and returns the store.
 func setupBank(t testing.TB, schema *testenv.Schema, accounts int) *pgstore.Store {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	if _, err := schema.Pool.Exec(ctx, bankSchemaSQL); err != nil {
-		t.Fatalf("create bank tables: %v", err)
-	}
-	if _, err := schema.Pool.Exec(ctx, "INSERT INTO accounts (id) SELECT generate_series(1, $1::int)", accounts); err != nil {
-		t.Fatalf("create accounts: %v", err)
-	}
-	store, err := pgstore.New(schema.Pool, pgstore.Config{Schema: schema.Name})
-	if err != nil {
-		t.Fatalf("pgstore.New: %v", err)
-	}
-	if _, err := store.Migrate(ctx); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	return store
+	schema.CreateAccounts(t, accounts)
+	schema.Exec(t, bankSchemaSQL)
+	return schema.Store(t)
 }
 
 // payment is the message payload: add Amount to account Account.

@@ -21,7 +21,6 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // ackWait is the tests' AckWait: a crashed consumer's messages come back after it.
@@ -114,13 +113,7 @@ func TestMissingUUIDIsDeadLettered(t *testing.T) {
 	dlTopic := topic + "_dead"
 
 	sch := testenv.NewSchema(t, 8)
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := store.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	store := sch.Store(t)
 	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "orders", BrokerSideFields: b.BrokerSideFields,
 		DeadLetterPublisher: b.Publisher, DeadLetterTopic: dlTopic}, nil)
 	if err != nil {

@@ -20,14 +20,7 @@ import (
 func newStore(t *testing.T, conns int32) (*pgstore.Store, *testenv.Schema) {
 	t.Helper()
 	sch := testenv.NewSchema(t, conns)
-	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Migrate(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	return s, sch
+	return sch.Store(t), sch
 }
 
 func TestConformance(t *testing.T) {
