@@ -29,7 +29,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Brokers lists the broker names New accepts.

@@ -16,7 +16,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )

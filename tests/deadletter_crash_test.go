@@ -16,7 +16,7 @@ import (
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // dlWorld is the state every dead-letter test inspects: the business tables, the inbox tables

@@ -22,7 +22,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Name is the adapter's name in router configuration.

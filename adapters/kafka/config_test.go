@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // TestSubscriberConfigIsAtLeastOnce checks the sarama settings the adapter derives: only

@@ -59,7 +59,7 @@ import (
 	natsgo "github.com/nats-io/nats.go"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Name is the adapter's name in router configuration.

@@ -20,7 +20,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/adaptertest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // ackWait is the tests' AckWait: a crashed consumer's messages come back after it.

@@ -54,7 +54,7 @@ import (
 	"github.com/vmihailenco/msgpack"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Name is the adapter's name in router configuration.

@@ -21,7 +21,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/adaptertest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // maxIdle is the tests' MaxIdleTime: a crashed consumer's entries are claimed after it.

@@ -12,7 +12,7 @@ import (
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 func TestSubscriberConfigValidate(t *testing.T) {

@@ -17,7 +17,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/adaptertest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // matrixVisibility is the VisibilityTimeout attribute of the matrix's queues. goaws honours

@@ -26,7 +26,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // The brokers besides watermill-sql and RabbitMQ are built by their adapter packages

@@ -22,7 +22,7 @@ import (
 	"testing"
 	"time"
 
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // blockWindow is how long a claim is expected to stay blocked behind an uncommitted claim of

@@ -1,4 +1,4 @@
-package middleware_test
+package inbox_test
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 

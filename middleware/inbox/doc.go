@@ -1,11 +1,9 @@
-// Package middleware is the transactional inbox for Watermill: a router middleware that makes
+// Package inbox is the transactional inbox for Watermill: a router middleware that makes
 // a handler an idempotent consumer, so each message's effects are applied exactly once in
 // PostgreSQL although the broker delivers it at least once.
 //
-// Import it under the name inbox (Watermill's own middleware package has the same name):
-//
 //	import (
-//		inbox "github.com/watermill-inbox/watermill-inbox/middleware"
+//		"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 //		"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 //	)
 //
@@ -31,4 +29,4 @@
 // The guarantee covers only writes made through the inbox transaction. Calls to other
 // systems (HTTP, e-mail, another database, publishing to a broker) are not rolled back and
 // may repeat on redelivery; see docs/design.md in the repository.
-package middleware
+package inbox
