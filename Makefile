@@ -22,7 +22,7 @@ vet:
 
 ## bench: the inbox against a bare transaction, at 1, 8 and 32 concurrent deliveries.
 bench:
-	$(GO) test ./middleware -run '^$$' -bench InboxVsBareTx -benchtime 3000x -count 3
+	$(GO) test ./middleware/inbox -run '^$$' -bench InboxVsBareTx -benchtime 3000x -count 3
 
 ## services: start PostgreSQL, RabbitMQ, Redis and NATS (JetStream) when they are down.
 services:
