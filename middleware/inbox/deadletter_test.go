@@ -179,7 +179,8 @@ func TestCrashedAttemptsCountTowardsTheLimit(t *testing.T) {
 	// Two deliveries that died mid-handler (the process was killed): their attempts were
 	// committed before the claim transaction began, which then vanished with the process.
 	for range 2 {
-		tx, _, err := e.store.BeginClaim(context.Background(), inbox.TxOptions{CountAttempt: true}, inbox.Claim{MessageID: msg.UUID, ConsumerName: "billing"})
+		tx, _, err := e.store.ClaimCounted(context.Background(), inbox.CountedClaimParams{
+			ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: msg.UUID, ConsumerName: "billing"}}, CountFirst: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -191,7 +192,7 @@ func TestCrashedAttemptsCountTowardsTheLimit(t *testing.T) {
 	if e.runs.Load() != 0 || e.balance(2) != 0 {
 		t.Fatalf("the handler ran (%d) although the message had used up its attempts", e.runs.Load())
 	}
-	if r := dl.wait(t, 1)[0].Metadata.Get(wmmiddleware.ReasonForPoisonedKey); !strings.Contains(r, "exceeded 2 attempts") {
+	if r := dl.wait(t, 1)[0].Metadata.Get(wmmiddleware.ReasonForPoisonedKey); !strings.Contains(r, "2 of 2 attempts ran the handler and ended without settling") {
 		t.Fatalf("reason = %q", r)
 	}
 }
@@ -321,7 +322,7 @@ func TestInstantAckIsRefused(t *testing.T) {
 
 func TestLockTimeoutBehindSlowHandler(t *testing.T) {
 	e := newEnv(t, 3)
-	ib := e.inbox("billing", func(c *inbox.Config) { c.LockTimeout = 100 * time.Millisecond })
+	ib := e.inbox("billing", e.withLockTimeout(100*time.Millisecond))
 	started := make(chan struct{})
 	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		out, err := e.credit(msg)

@@ -56,6 +56,17 @@ func (e *env) inbox(consumer string, mod ...func(*inbox.Config)) *inbox.Inbox {
 	return ib
 }
 
+// withLockTimeout gives the inbox a store on the same table with pgstore.Config.LockTimeout d.
+func (e *env) withLockTimeout(d time.Duration) func(*inbox.Config) {
+	return func(c *inbox.Config) {
+		s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, LockTimeout: d})
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		c.Store = s
+	}
+}
+
 type payment struct {
 	Account int   `json:"account"`
 	Amount  int64 `json:"amount"`
@@ -122,17 +133,17 @@ func deliver(h message.HandlerFunc, msg *message.Message) error {
 	return err
 }
 
-// barrierStore holds every BeginClaim until n callers have arrived, then releases them
+// barrierStore holds every claim until n callers have arrived, then releases them
 // together: the concurrent-duplicate test's barrier just before the claim.
 type barrierStore struct {
-	inbox.Store
+	inbox.AttemptStore
 	arrived chan struct{}
 	release chan struct{}
 	n       int
 }
 
-func newBarrierStore(s inbox.Store, n int) *barrierStore {
-	b := &barrierStore{Store: s, arrived: make(chan struct{}, n), release: make(chan struct{}), n: n}
+func newBarrierStore(s inbox.AttemptStore, n int) *barrierStore {
+	b := &barrierStore{AttemptStore: s, arrived: make(chan struct{}, n), release: make(chan struct{}), n: n}
 	go func() {
 		for range n {
 			<-b.arrived
@@ -142,8 +153,14 @@ func newBarrierStore(s inbox.Store, n int) *barrierStore {
 	return b
 }
 
-func (b *barrierStore) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, inbox.ClaimResult, error) {
+func (b *barrierStore) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
 	b.arrived <- struct{}{}
 	<-b.release
-	return b.Store.BeginClaim(ctx, opts, c)
+	return b.AttemptStore.Claim(ctx, p)
+}
+
+func (b *barrierStore) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
+	b.arrived <- struct{}{}
+	<-b.release
+	return b.AttemptStore.ClaimCounted(ctx, p)
 }

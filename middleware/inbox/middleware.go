@@ -4,11 +4,10 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"database/sql"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
-	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -17,221 +16,40 @@ import (
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 )
 
-// Defaults applied by Config.setDefaults.
-const (
-	// DefaultMessageTypeKey is the metadata field read for message_type: the key Watermill's
-	// CQRS marshalers write the event or command name to.
-	DefaultMessageTypeKey = "name"
-	// DefaultFinishTimeout bounds COMMIT and ROLLBACK, which run detached from the message's
-	// context (the router cancels that context on shutdown).
-	DefaultFinishTimeout = 10 * time.Second
-	// DefaultClaimTimeout bounds the claim (see Config.ClaimTimeout).
-	DefaultClaimTimeout = 30 * time.Second
-	// DefaultMaxTxRetries is how many times a transaction that failed with a transient conflict
-	// (SQLSTATE 40001 or 40P01) is retried in process before the delivery is nacked.
-	DefaultMaxTxRetries = 3
-	// DefaultTxRetryBackoff is the first pause before such a retry; it doubles per retry, with
-	// jitter, up to DefaultMaxTxRetryBackoff.
-	DefaultTxRetryBackoff = 10 * time.Millisecond
-	// DefaultMaxTxRetryBackoff caps the pause between transaction retries.
-	DefaultMaxTxRetryBackoff = 500 * time.Millisecond
-	// DefaultMaxAttempts is how many deliveries of one message may run the handler before the
-	// message is dead-lettered, when a dead-letter topic is configured.
-	DefaultMaxAttempts = 5
-)
-
-// Metadata keys the inbox adds to a dead letter, beside Watermill's PoisonQueue keys
-// (reason_poisoned, topic_poisoned, handler_poisoned, subscriber_poisoned), which it sets too
-// so existing poison-queue tooling reads inbox dead letters.
-const (
-	// DeadLetterAttemptsKey holds the number of attempts counted for the message (decimal).
-	DeadLetterAttemptsKey = "inbox_attempts"
-	// DeadLetterConsumerKey holds the consumer name.
-	DeadLetterConsumerKey = "inbox_consumer_name"
-	// DeadLetterMessageKeyKey holds the message key (empty when the key was invalid).
-	DeadLetterMessageKeyKey = "inbox_message_key"
-)
-
-// CollisionPolicy decides what happens to a key collision: a delivery whose key was already
-// processed with a different payload hash (see ErrKeyCollision).
-type CollisionPolicy int
-
-const (
-	// CollisionDeadLetter publishes the colliding message to the dead-letter topic with the
-	// reason and acks it; without a dead-letter topic it behaves as CollisionReject. Default.
-	CollisionDeadLetter CollisionPolicy = iota
-	// CollisionReject returns ErrKeyCollision, so the router nacks.
-	CollisionReject
-	// CollisionSkip acks the colliding message without running the handler, like a duplicate,
-	// and counts it in Stats.Collisions. Choose it only when payloads of one logical message
-	// may legitimately differ (a timestamp re-stamped on every producer retry).
-	CollisionSkip
-)
-
-// Config configures an Inbox. Zero values take the defaults documented on each field.
-type Config struct {
-	// Store opens transactions and claims messages (required), e.g. pgstore.New(pool, ...).
-	Store Store
-	// ConsumerName identifies the handler (required, at most MaxConsumerNameBytes bytes of
-	// UTF-8). It is half of the inbox key, so several handlers consuming the same message each
-	// process it once and never block each other. Keep it stable across deploys: renaming a
-	// consumer makes every retained message look new to it.
-	ConsumerName string
-	// KeyExtractor returns each message's key. Default: MessageUUID().
-	KeyExtractor KeyExtractor
-	// Isolation is the level of the claim-and-handler transaction. Default: READ COMMITTED.
-	// Under REPEATABLE READ and SERIALIZABLE, conflicts end in SQLSTATE 40001, which the inbox
-	// retries (see MaxTxRetries).
-	Isolation sql.IsolationLevel
-	// MessageTypeKey is the metadata field stored in message_type. Default:
-	// DefaultMessageTypeKey. Set it to "-" to store no message type.
-	MessageTypeKey string
-	// FinishTimeout bounds COMMIT and ROLLBACK. Default: DefaultFinishTimeout.
-	FinishTimeout time.Duration
-	// ClaimTimeout bounds everything before the handler runs (taking a connection, counting
-	// the attempt, BEGIN and the claim), whatever the network does: past it the delivery
-	// fails and is nacked. It also bounds a concurrent duplicate's wait behind a slow
-	// handler's uncommitted claim. Default: DefaultClaimTimeout.
-	ClaimTimeout time.Duration
-	// MaxTxRetries is the number of in-process retries of a whole transaction (claim, handler,
-	// commit) after a transient conflict the Store reports as Retryable (PostgreSQL SQLSTATE
-	// 40001 serialization_failure, 40P01 deadlock_detected). Default: DefaultMaxTxRetries.
-	// Set it to -1 for no retries. After the last retry the delivery is nacked.
-	MaxTxRetries int
-	// TxRetryBackoff is the first pause before a retry. Default: DefaultTxRetryBackoff.
-	TxRetryBackoff time.Duration
-	// MaxTxRetryBackoff caps the pause between retries. Default: DefaultMaxTxRetryBackoff.
-	MaxTxRetryBackoff time.Duration
-
-	// DeadLetterPublisher and DeadLetterTopic, set together, turn on durable attempt counting
-	// and dead letters: every delivery is counted in the store before its transaction begins,
-	// and a message is published to DeadLetterTopic, then acked, when its handler failed
-	// MaxAttempts times (crashes included), or returned a permanent error (see IsPermanent),
-	// or its key is invalid, or its key collides. If the publish fails the delivery is nacked:
-	// it is never acked without its dead letter. A dead-lettered message's later deliveries
-	// are acked without running the handler, until Replay.
-	DeadLetterPublisher message.Publisher
-	// DeadLetterTopic is the topic dead letters are published to.
-	DeadLetterTopic string
-	// MaxAttempts is the number of deliveries that may run the handler before the message is
-	// dead-lettered. Default: DefaultMaxAttempts. Used only with a dead-letter topic.
-	MaxAttempts int
-	// OnKeyCollision decides what a key collision does. Default: CollisionDeadLetter.
-	OnKeyCollision CollisionPolicy
-
-	// LockTimeout bounds every lock wait in the inbox transaction, including the wait of a
-	// concurrent duplicate behind a slow handler's uncommitted claim (PostgreSQL lock_timeout).
-	// An expired wait fails the delivery (SQLSTATE 55P03) and the router nacks; the redelivery
-	// resolves as a duplicate once the first commits. Zero keeps the server's setting.
-	LockTimeout time.Duration
-	// StatementTimeout bounds every statement in the inbox transaction (PostgreSQL
-	// statement_timeout; SQLSTATE 57014). Zero keeps the server's setting.
-	StatementTimeout time.Duration
-
-	// BrokerSideFields names the metadata fields the subscriber's broker adds to describe a
-	// delivery (field name to reason; each adapter exports its map, e.g.
-	// adapters/amqp.BrokerSideFields). They are removed from dead letters, beside the
-	// built-in list, so a replayed message does not carry the old delivery's state.
-	BrokerSideFields map[string]string
-
-	// Outbox, when set, receives the messages a handler returns (with router.AddHandler),
-	// inside the inbox transaction, for the handler's publish topic; the router then has
-	// nothing left to publish. A crash after the commit loses none of them, and a duplicate
-	// delivery produces none again. Without it, returned messages fail the delivery with
-	// ErrProducedMessages.
-	Outbox Outbox
-}
-
-func (c *Config) setDefaults() {
-	if c.KeyExtractor == nil {
-		c.KeyExtractor = MessageUUID()
-	}
-	if c.Isolation == sql.LevelDefault {
-		c.Isolation = sql.LevelReadCommitted
-	}
-	if c.MessageTypeKey == "" {
-		c.MessageTypeKey = DefaultMessageTypeKey
-	}
-	if c.FinishTimeout == 0 {
-		c.FinishTimeout = DefaultFinishTimeout
-	}
-	if c.ClaimTimeout == 0 {
-		c.ClaimTimeout = DefaultClaimTimeout
-	}
-	if c.MaxTxRetries == 0 {
-		c.MaxTxRetries = DefaultMaxTxRetries
-	} else if c.MaxTxRetries < 0 {
-		c.MaxTxRetries = 0
-	}
-	if c.TxRetryBackoff == 0 {
-		c.TxRetryBackoff = DefaultTxRetryBackoff
-	}
-	if c.MaxTxRetryBackoff == 0 {
-		c.MaxTxRetryBackoff = DefaultMaxTxRetryBackoff
-	}
-	if c.MaxAttempts == 0 {
-		c.MaxAttempts = DefaultMaxAttempts
-	}
-}
-
-// Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
-// ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
-// without a topic (or the reverse), MaxAttempts below 1 or an unknown collision policy. New calls it after
-// filling defaults.
-func (c Config) Validate() error {
-	if c.Store == nil {
-		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
-	}
-	if err := validateConsumerName(c.ConsumerName); err != nil {
-		return err
-	}
-	switch c.Isolation {
-	case sql.LevelDefault, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
-	default:
-		return fmt.Errorf("%w: isolation level %s is not supported (use READ COMMITTED, REPEATABLE READ or SERIALIZABLE)", ErrInvalidConfig, c.Isolation)
-	}
-	if c.FinishTimeout < 0 || c.ClaimTimeout < 0 || c.TxRetryBackoff < 0 || c.MaxTxRetryBackoff < 0 || c.LockTimeout < 0 || c.StatementTimeout < 0 {
-		return fmt.Errorf("%w: durations must not be negative", ErrInvalidConfig)
-	}
-	if (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == "") {
-		return fmt.Errorf("%w: DeadLetterPublisher and DeadLetterTopic must be set together", ErrInvalidConfig)
-	}
-	if c.MaxAttempts < 1 {
-		return fmt.Errorf("%w: MaxAttempts must be at least 1", ErrInvalidConfig)
-	}
-	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
-		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)
-	}
-	return nil
-}
-
-// Stats are counters since the Inbox was created. Each field counts deliveries, except
-// TxRetries, which counts transaction attempts.
+// Stats are counters since the Inbox was created. Each field counts deliveries (one call of
+// the middleware by the router, or by a Retry outside it), except TxRetries, which counts
+// transaction attempts. Every delivery ends in exactly one Outcome; Processed, Duplicates,
+// DeadLettered, DeadLetteredSkips, Failed (both failed outcomes) and the skipped collisions
+// add up to the deliveries.
 type Stats struct {
 	// Processed counts deliveries whose handler ran and whose transaction committed.
 	Processed uint64
-	// Duplicates counts deliveries skipped because their key was already claimed.
+	// Duplicates counts deliveries skipped because their key was already processed (key
+	// collisions are counted in Collisions instead).
 	Duplicates uint64
-	// Failed counts deliveries that returned an error (and were nacked by the router).
+	// Failed counts deliveries the middleware returned an error for (the router nacks).
 	Failed uint64
-	// InvalidKeys counts deliveries refused for an invalid key (a subset of Failed).
+	// InvalidKeys counts deliveries whose key was invalid, whatever became of them (failed,
+	// or dead-lettered when a dead-letter topic is configured).
 	InvalidKeys uint64
 	// TxRetries counts in-process transaction retries after a Retryable conflict.
 	TxRetries uint64
-	// DeadLettered counts messages published to the dead-letter topic (then acked).
+	// DeadLettered counts deliveries published to the dead-letter topic (then acked).
 	DeadLettered uint64
 	// DeadLetteredSkips counts deliveries of already dead-lettered messages, acked without
 	// running the handler. They are not counted as Processed.
 	DeadLetteredSkips uint64
-	// Collisions counts key collisions (same key, different payload), whatever the policy.
+	// Collisions counts key collisions (same key, different payload), whatever the policy; a
+	// dead-lettered one is also counted in DeadLettered, a rejected one in Failed.
 	Collisions uint64
 }
 
 // Inbox is the transactional inbox middleware for one consumer. It is safe for concurrent use
 // by any number of deliveries; each holds one store connection while it runs.
 type Inbox struct {
-	cfg    Config
-	logger watermill.LoggerAdapter
+	cfg      Config
+	attempts AttemptStore // set when a dead-letter topic is configured
+	logger   watermill.LoggerAdapter
 
 	processed, duplicates, failed, invalidKeys, txRetries atomic.Uint64
 	deadLettered, deadLetteredSkips, collisions           atomic.Uint64
@@ -248,7 +66,11 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	return &Inbox{cfg: cfg, logger: logger.With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}, nil
+	i := &Inbox{cfg: cfg, logger: logger.With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
+	if cfg.DeadLetterPublisher != nil {
+		i.attempts = cfg.Store.(AttemptStore) // checked by Validate
+	}
+	return i, nil
 }
 
 // Stats returns a snapshot of the counters.
@@ -270,285 +92,428 @@ func (i *Inbox) Stats() Stats {
 func (i *Inbox) ConsumerName() string { return i.cfg.ConsumerName }
 
 // Middleware wraps h as an idempotent consumer. Per delivery it: extracts and validates the
-// key; opens a transaction and claims (message_id, consumer_name) in it, insert-first; runs h
+// key; opens a transaction and claims (message ID, consumer name) in it, insert-first; runs h
 // with the transaction reachable from msg.Context() (pgstore.TxFromContext); commits; and only
 // then returns nil, so the router acks after the commit.
 //
-//   - Key already claimed (a duplicate): h does not run, nil is returned and the router acks.
-//     A duplicate whose payload differs is a key collision, handled by OnKeyCollision.
+// h receives a copy of the message (UUID, payload and metadata copied, the transaction in its
+// context): it may change it freely. The key, the payload hash, every in-process retry, every
+// re-entry through an outer Retry and every dead letter use the message as it was received.
+//
+//   - Key already processed (a duplicate): h does not run, nil is returned and the router
+//     acks. A duplicate whose payload differs is a key collision, handled by OnKeyCollision.
 //   - h returns an error or panics: the transaction rolls back (no claim remains), the error is
 //     returned (the panic propagates) and the router nacks; the redelivery runs h again.
-//   - h returns messages: rolled back, ErrProducedMessages returned (see its doc).
-//   - Commit fails, including pgx.ErrTxCommitRollback (h swallowed a failed statement) and a
-//     commit whose outcome is unknown: the error is returned and the router nacks; if it had
-//     in fact committed, the redelivery is a duplicate.
+//   - h returns messages: stored through Config.Outbox in the transaction; without one the
+//     transaction rolls back and ErrProducedMessages is returned.
+//   - Commit fails, including a rollback certain at COMMIT (a swallowed failed statement, a
+//     deferred constraint) and a commit whose outcome is unknown: the error is returned and
+//     the router nacks; if it had in fact committed, the redelivery is a duplicate.
 //   - A Retryable conflict (40001, 40P01) anywhere in the transaction: the whole transaction is
 //     retried with a fresh claim up to MaxTxRetries times, then the error is returned.
 //   - Invalid key: an *InvalidKeyError (IsPermanent reports true); nothing is claimed and h
 //     does not run.
 //
-// With a dead-letter topic (Config.DeadLetterPublisher), deliveries are counted durably and
-// a message is dead-lettered and acked after MaxAttempts failed attempts or on a permanent
-// error; see Config.DeadLetterPublisher.
+// With a dead-letter topic (Config.DeadLetterPublisher), a message is dead-lettered and acked
+// after MaxAttempts failed attempts or on a permanent error; see docs/design.md for exactly
+// what counts as an attempt.
 //
-// Middleware has the type of Watermill's message.HandlerMiddleware. Add it innermost (last),
-// after Retry, PoisonQueue, Timeout and CorrelationID; see docs/design.md for the order.
+// Middleware has the type of Watermill's message.HandlerMiddleware. It must be innermost:
+// package router wraps the handler with it directly; with a plain Watermill router add it
+// to the handler last (see docs/design.md, "Middleware order").
 func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		select {
-		case <-msg.Acked():
-			return nil, i.fail(msg, Claim{}, 0, ErrAckedBeforeHandler)
-		default:
-		}
-		claim, err := i.claimFor(msg)
-		if err != nil {
-			i.invalidKeys.Add(1)
-			i.logger.Error("Message refused: invalid key", err, watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
-			return nil, i.fail(msg, Claim{}, 0, err)
-		}
-		backoff := i.cfg.TxRetryBackoff
-		countAttempt := i.deadLettering()
-		for retry := 0; ; retry++ {
-			r := i.attempt(msg, h, claim, countAttempt)
-			if r.err == nil {
-				return nil, nil
+	return func(msg *message.Message) (_ []*message.Message, err error) {
+		d := i.newDelivery(msg)
+		defer func() {
+			p := recover()
+			if p == nil {
+				return
 			}
-			if r.final {
-				i.failed.Add(1)
-				return nil, r.err
+			// The try that panicked rolled back and recorded the attempt. A panic that
+			// dead-letters the message is acked; any other goes on panicking, so the
+			// router's Recoverer (or the router itself) sees it.
+			err = i.settle(d, &failure{kind: failMessage, err: fmt.Errorf("inbox: handler panicked: %v", p), attempts: d.attempts})
+			if d.res.Outcome != OutcomeDeadLettered {
+				panic(p)
 			}
-			if countAttempt && r.attempt > 0 {
-				// Only the delivery's first transaction counts as an attempt; in-process
-				// retries after a transient conflict are part of it.
-				countAttempt = false
-			}
-			if retry >= i.cfg.MaxTxRetries || !i.cfg.Store.Retryable(r.err) {
-				return nil, i.fail(msg, claim, r.attempt, r.err)
-			}
-			i.txRetries.Add(1)
-			i.logger.Debug("Transient conflict, retrying the transaction", watermill.LogFields{
-				"message_uuid": safeUUID(msg.UUID), "retry": retry + 1, "error": r.err.Error(),
-			})
-			pause := backoff/2 + rand.N(backoff/2+1)
-			select {
-			case <-time.After(pause):
-			case <-msg.Context().Done():
-				return nil, i.fail(msg, claim, r.attempt, errors.Join(r.err, msg.Context().Err()))
-			}
-			backoff = min(backoff*2, i.cfg.MaxTxRetryBackoff)
-		}
+			i.logger.Error("Handler panicked; message dead-lettered", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
+		}()
+		return nil, i.settle(d, i.deliver(d, h))
 	}
 }
 
-// deadLettering reports whether a dead-letter topic is configured.
-func (i *Inbox) deadLettering() bool { return i.cfg.DeadLetterPublisher != nil }
-
-// fail decides what a failed delivery becomes: a dead letter (then nil, so the router acks) or
-// the error (the router nacks). attempt is the delivery's counted attempt (0 when not counted).
-func (i *Inbox) fail(msg *message.Message, claim Claim, attempt int, err error) error {
-	if err := i.settleFailure(msg, claim, attempt, err); err != nil {
-		i.failed.Add(1)
-		return err
-	}
-	return nil
+// delivery is one call of the middleware: the message as received, its key, and what
+// happened to it so far.
+type delivery struct {
+	msg        *message.Message // as received; never handed to the handler
+	ctx        context.Context  // msg.Context() at entry
+	params     ClaimParams
+	keyErr     error // the key is invalid (params.Key is empty)
+	countFirst bool  // count durably before the first claim (a possible redelivery)
+	counted    bool  // this delivery's count is in the store
+	attempts   int   // the attempt count after the last recorded change, when counted
+	res        Result
 }
 
-func (i *Inbox) settleFailure(msg *message.Message, claim Claim, attempt int, err error) error {
-	if !i.deadLettering() {
-		return err
+func (i *Inbox) newDelivery(msg *message.Message) *delivery {
+	d := &delivery{msg: msg, ctx: msg.Context()}
+	d.res.MessageUUID = msg.UUID
+	d.params.Isolation = i.cfg.Isolation
+	d.params.FinishTimeout = i.cfg.FinishTimeout
+	select {
+	case <-msg.Acked():
+		d.keyErr = ErrAckedBeforeHandler
+		return d
+	default:
 	}
-	keyed := claim.MessageID != ""
-	switch {
-	case IsPermanent(err):
-		return i.deadLetter(msg, claim, attempt, "permanent error: "+err.Error(), keyed)
-	case keyed && attempt >= i.cfg.MaxAttempts:
-		i.recordFailure(msg, claim, err)
-		return i.deadLetter(msg, claim, attempt, fmt.Sprintf("failed %d of %d attempts; last error: %s", attempt, i.cfg.MaxAttempts, err), true)
-	}
-	if keyed && attempt > 0 {
-		i.recordFailure(msg, claim, err)
-	}
-	return err
-}
-
-func (i *Inbox) recordFailure(msg *message.Message, claim Claim, cause error) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), i.cfg.FinishTimeout)
-	defer cancel()
-	if err := i.cfg.Store.RecordFailure(ctx, claim.MessageID, claim.ConsumerName, cause.Error()); err != nil {
-		i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
-	}
-}
-
-// deadLetter publishes a copy of msg to the dead-letter topic with the reason, records the
-// dead-lettered state when mark is set, and returns nil (ack). When the publish fails it
-// returns the error (nack): a message is never acked without its dead letter.
-func (i *Inbox) deadLetter(msg *message.Message, claim Claim, attempt int, reason string, mark bool) error {
-	ctx := msg.Context()
-	dl := msg.Copy()
-	for k := range dl.Metadata {
-		// Delivery-specific fields (a redelivered flag, a delivery count) would describe the
-		// original delivery, and make a replayed message look redelivered.
-		if IsBrokerSideField(k, i.cfg.BrokerSideFields) {
-			delete(dl.Metadata, k)
-		}
-	}
-	dl.Metadata.Set(wmmiddleware.ReasonForPoisonedKey, reason)
-	dl.Metadata.Set(wmmiddleware.PoisonedTopicKey, message.SubscribeTopicFromCtx(ctx))
-	dl.Metadata.Set(wmmiddleware.PoisonedHandlerKey, message.HandlerNameFromCtx(ctx))
-	dl.Metadata.Set(wmmiddleware.PoisonedSubscriberKey, message.SubscriberNameFromCtx(ctx))
-	dl.Metadata.Set(DeadLetterAttemptsKey, strconv.Itoa(attempt))
-	dl.Metadata.Set(DeadLetterConsumerKey, i.cfg.ConsumerName)
-	dl.Metadata.Set(DeadLetterMessageKeyKey, claim.MessageID)
-	fields := watermill.LogFields{"message_uuid": safeUUID(msg.UUID), "attempts": attempt, "dead_letter_topic": i.cfg.DeadLetterTopic}
-	if err := i.cfg.DeadLetterPublisher.Publish(i.cfg.DeadLetterTopic, dl); err != nil {
-		i.logger.Error("Could not publish the dead letter; nacking", err, fields)
-		return fmt.Errorf("inbox: publishing dead letter: %w", err)
-	}
-	if mark {
-		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), i.cfg.FinishTimeout)
-		defer cancel()
-		if err := i.cfg.Store.MarkDeadLettered(mctx, claim.MessageID, claim.ConsumerName, reason); err != nil {
-			// The dead letter is out, so ack anyway: the attempt count stays above the limit,
-			// so a later delivery is dead-lettered again rather than processed.
-			i.logger.Error("Dead letter published but its state not recorded", err, fields)
-		}
-	}
-	i.deadLettered.Add(1)
-	i.logger.Info("Message dead-lettered", fields.Add(watermill.LogFields{"reason": reason}))
-	return nil
-}
-
-// Replay clears the dead-lettered state and attempt count of messageID for this consumer, so
-// its next delivery runs the handler again (republish it from the dead-letter topic to the
-// handler's topic). It reports whether the message was dead-lettered.
-func (i *Inbox) Replay(ctx context.Context, messageID string) (bool, error) {
-	if err := ValidateKey("message ID", messageID); err != nil {
-		return false, err
-	}
-	return i.cfg.Store.Replay(ctx, messageID, i.cfg.ConsumerName)
-}
-
-// claimFor builds the claim of msg, or returns an *InvalidKeyError.
-func (i *Inbox) claimFor(msg *message.Message) (Claim, error) {
 	source := i.cfg.KeyExtractor.Source()
 	key, err := i.cfg.KeyExtractor.ExtractKey(msg)
 	if err != nil {
-		return Claim{}, Permanent(fmt.Errorf("inbox: extracting key from %s: %w", source, err))
+		d.keyErr = Permanent(fmt.Errorf("inbox: extracting key from %s: %w", source, err))
+	} else if err := ValidateKey(source, key); err != nil {
+		d.keyErr = err
 	}
-	if err := ValidateKey(source, key); err != nil {
-		return Claim{}, err
+	if d.keyErr != nil {
+		i.invalidKeys.Add(1)
+		i.logger.Error("Message refused: invalid key", d.keyErr, watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
+		return d
 	}
-	c := Claim{
-		MessageID:     key,
-		ConsumerName:  i.cfg.ConsumerName,
-		CorrelationID: validOrEmpty(wmmiddleware.MessageCorrelationID(msg)),
-	}
+	d.params.Key = Key{MessageID: key, ConsumerName: i.cfg.ConsumerName}
+	d.res.Key = d.params.Key
+	d.params.CorrelationID = validOrEmpty(wmmiddleware.MessageCorrelationID(msg))
 	if i.cfg.MessageTypeKey != "-" {
-		c.MessageType = validOrEmpty(msg.Metadata.Get(i.cfg.MessageTypeKey))
+		d.params.MessageType = validOrEmpty(msg.Metadata.Get(i.cfg.MessageTypeKey))
 	}
 	sum := sha256.Sum256(msg.Payload)
-	c.PayloadHash = sum[:]
-	return c, nil
+	d.params.PayloadHash = sum[:]
+	if i.attempts != nil {
+		d.countFirst = i.cfg.Redelivery == nil || i.cfg.Redelivery(msg) != FirstDelivery
+	}
+	return d
 }
 
-// attemptResult is the outcome of one transaction.
-type attemptResult struct {
-	err     error
-	attempt int // the counted attempt number, 0 when not counted
-	// final marks an error that was already settled (a dead letter that could not be
-	// published, a rejected collision): it goes back to the router as it is.
-	final bool
+// handlerMessage returns the copy of the received message that the handler gets, with ctx.
+func (d *delivery) handlerMessage(ctx context.Context) *message.Message {
+	m := message.NewMessage(d.msg.UUID, bytes.Clone(d.msg.Payload))
+	m.Metadata = make(message.Metadata, len(d.msg.Metadata))
+	maps.Copy(m.Metadata, d.msg.Metadata)
+	m.SetContext(ctx)
+	return m
 }
 
-// attempt runs one transaction: claim, handler, commit. Its error is nil when the message was
-// processed, is a duplicate, was dead-lettered before, or was dead-lettered now.
-func (i *Inbox) attempt(msg *message.Message, h message.HandlerFunc, claim Claim, countAttempt bool) (r attemptResult) {
-	ctx := msg.Context()
-	opts := TxOptions{
-		Isolation: i.cfg.Isolation, CountAttempt: countAttempt,
-		LockTimeout: i.cfg.LockTimeout, StatementTimeout: i.cfg.StatementTimeout,
+// failKind classifies why a transaction did not settle the delivery.
+type failKind int
+
+const (
+	// failMessage: the message's own failure (the handler's error or panic, a rollback
+	// certain at COMMIT, a permanent error): it uses up an attempt.
+	failMessage failKind = iota + 1
+	// failRetryable: a transient conflict (40001, 40P01); retried in process.
+	failRetryable
+	// failInfrastructure: the claim failed or the commit's outcome is unknown: not the
+	// message's failure.
+	failInfrastructure
+	// failAbandoned: the delivery's own consumer is shutting down (its context was
+	// cancelled): not the message's failure.
+	failAbandoned
+)
+
+// failure is a transaction that did not settle the delivery; nil means settled (d.res).
+type failure struct {
+	kind     failKind
+	err      error
+	attempts int // the attempt count after recording a failMessage, when counted
+}
+
+// deliver runs the delivery's transactions until one settles it or a failure is final.
+func (i *Inbox) deliver(d *delivery, h message.HandlerFunc) *failure {
+	if d.keyErr != nil {
+		return &failure{kind: failMessage, err: d.keyErr}
 	}
-	claimCtx, cancelClaim := context.WithTimeout(ctx, i.cfg.ClaimTimeout)
-	tx, res, err := i.cfg.Store.BeginClaim(claimCtx, opts, claim)
-	cancelClaim()
-	if err != nil {
-		return attemptResult{err: fmt.Errorf("inbox: claim: %w", err)}
-	}
-	r.attempt = res.Attempt
-	finished := false
-	defer func() {
-		if !finished {
-			// Reached on a handler panic, which keeps propagating after the rollback.
-			msg.SetContext(ctx)
-			i.finish(ctx, tx.Rollback)
-			i.failed.Add(1)
+	backoff := i.cfg.TxRetryBackoff
+	for retry := 0; ; retry++ {
+		f := i.try(d, h)
+		if f == nil || f.kind != failRetryable || retry >= i.cfg.MaxTxRetries {
+			return f
 		}
-	}()
+		i.txRetries.Add(1)
+		d.res.TxRetries++
+		i.logger.Debug("Transient conflict, retrying the transaction", watermill.LogFields{
+			"message_uuid": safeUUID(d.msg.UUID), "retry": retry + 1, "error": f.err.Error(),
+		})
+		pause := backoff/2 + rand.N(backoff/2+1)
+		select {
+		case <-time.After(pause):
+		case <-d.ctx.Done():
+			return &failure{kind: failAbandoned, err: errors.Join(f.err, d.ctx.Err())}
+		}
+		backoff = min(backoff*2, i.cfg.MaxTxRetryBackoff)
+	}
+}
 
-	// Built only when something is logged: not on the path of a processed message.
-	fields := func() watermill.LogFields {
-		return watermill.LogFields{"message_uuid": safeUUID(msg.UUID), "attempt": res.Attempt}
+// try runs one transaction: claim, handler, commit. It returns nil when it settled the
+// delivery (d.res.Outcome is set), or the failure.
+func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
+	start := time.Now()
+	claimCtx, cancel := context.WithTimeout(d.ctx, i.cfg.ClaimTimeout)
+	var (
+		tx        Tx
+		counted   CountedTx
+		claimed   bool
+		storedSum []byte
+		rec       AttemptRecord
+		err       error
+	)
+	if i.attempts != nil {
+		var res CountedClaimResult
+		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted})
+		if counted != nil {
+			tx = counted
+		}
+		claimed, storedSum, rec = res.Claimed, res.StoredPayloadHash, res.Record
+		if res.Counted {
+			d.counted = true
+		}
+	} else {
+		var res ClaimResult
+		tx, res, err = i.cfg.Store.Claim(claimCtx, d.params)
+		claimed, storedSum = res.Claimed, res.StoredPayloadHash
+	}
+	cancel()
+	d.res.Claim = time.Since(start)
+	if err != nil {
+		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: claim: %w", err)}
 	}
 	switch {
-	case res.DeadLettered:
-		finished = true
-		i.finish(ctx, tx.Rollback)
-		i.deadLetteredSkips.Add(1)
-		i.logger.Info("Dead-lettered message delivered again; skipped", fields())
-		return r
-	case !res.Claimed:
-		// Commit rather than roll back: the transaction deleted the attempt record this
-		// delivery created. The claim itself is certain, so a failed commit changes nothing.
-		finished = true
-		if err := i.finish(ctx, tx.Commit); err != nil {
-			i.logger.Debug("Commit of a duplicate's transaction failed", fields().Add(watermill.LogFields{"error": err.Error()}))
+	case rec.DeadLettered:
+		d.res.Outcome = OutcomeDeadLetteredSkip
+		return nil
+	case !claimed:
+		d.counted = false // the store took a duplicate's count back
+		if len(storedSum) > 0 && !bytes.Equal(storedSum, d.params.PayloadHash) {
+			d.res.Outcome = OutcomeCollision
+		} else {
+			d.res.Outcome = OutcomeDuplicate
 		}
-		if len(res.StoredPayloadHash) > 0 && !bytes.Equal(res.StoredPayloadHash, claim.PayloadHash) {
-			return i.collision(msg, claim, r)
+		return nil
+	}
+	d.attempts = rec.Attempts
+	// Deliveries before this one that ran the handler without settling (this one's own
+	// count excluded).
+	if earlier := rec.Attempts - b2i(d.counted); counted != nil && earlier >= i.cfg.MaxAttempts {
+		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
+		if err != nil {
+			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim of an exhausted message: %w", err)}
 		}
-		i.duplicates.Add(1)
-		i.logger.Debug("Duplicate message skipped", fields())
-		return r
-	case countAttempt && res.Attempt > i.cfg.MaxAttempts:
-		// Earlier attempts crashed before they could dead-letter the message.
-		finished = true
-		i.finish(ctx, tx.Rollback)
-		r.err = i.deadLetter(msg, claim, res.Attempt, fmt.Sprintf("exceeded %d attempts (earlier deliveries ended unsettled: the consumer crashed, or the dead letter could not be published)", i.cfg.MaxAttempts), true)
-		r.final = true
-		return r
+		d.counted, d.attempts = false, n
+		d.res.Reason = exhaustedReason(earlier, i.cfg.MaxAttempts, rec.LastError)
+		return &failure{kind: failMessage, err: Permanent(errors.New(d.res.Reason)), attempts: n}
 	}
 
-	txCtx := tx.Context(ctx)
-	msg.SetContext(txCtx)
-	produced, herr := h(msg)
-	msg.SetContext(ctx)
+	settled := false
+	defer func() {
+		if settled {
+			return
+		}
+		// Reached on a handler panic: end the transaction, record the attempt, and panic on.
+		p := recover()
+		if counted != nil {
+			d.attempts, _ = counted.Fail(d.ctx, FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: fmt.Sprintf("handler panicked: %v", p)})
+			d.counted = false
+		} else {
+			_ = tx.Rollback(d.ctx)
+		}
+		panic(p)
+	}()
 
+	txCtx := tx.Context(d.ctx)
+	hstart := time.Now()
+	produced, herr := h(d.handlerMessage(txCtx))
 	if herr == nil && len(produced) > 0 {
-		herr = i.storeProduced(txCtx, produced)
+		herr = i.storeProduced(txCtx, tx, produced, d.msg)
 	}
-	if herr != nil {
-		finished = true
-		i.finish(ctx, tx.Rollback)
-		r.err = herr
-		return r
-	}
+	d.res.Handler = time.Since(hstart)
+	settled = true
 
-	finished = true
-	if err := i.finish(ctx, tx.Commit); err != nil {
-		r.err = fmt.Errorf("inbox: commit: %w", err)
-		if !errors.Is(err, ErrCommitRolledBack) && !i.cfg.Store.Retryable(err) {
-			// The outcome is unknown: it may have committed. Nack, never dead-letter; the
-			// redelivery is a duplicate if it did.
-			r.final = true
-		}
-		return r
+	if herr != nil {
+		return i.failTx(d, tx, counted, herr)
 	}
-	i.processed.Add(1)
-	return r
+	cstart := time.Now()
+	err = tx.Commit(d.ctx)
+	d.res.Commit = time.Since(cstart)
+	switch {
+	case err == nil:
+		d.counted = false // the commit cleared the attempt record
+		d.res.Outcome = OutcomeProcessed
+		return nil
+	case i.cfg.Store.Retryable(err):
+		return &failure{kind: failRetryable, err: fmt.Errorf("inbox: commit: %w", err)}
+	case errors.Is(err, ErrCommitRolledBack):
+		// Rolled back for certain: the transaction's own doing, so it is the message's
+		// failure. The transaction is gone: record it outside.
+		err = fmt.Errorf("inbox: commit: %w", err)
+		f := &failure{kind: failMessage, err: err}
+		if i.attempts != nil {
+			f.attempts = i.adjust(d, 1-b2i(d.counted), err.Error())
+			d.counted = false
+		}
+		return f
+	}
+	// The outcome is unknown: it may have committed. Nack, never dead-letter; the redelivery
+	// is a duplicate if it did.
+	return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: commit (outcome unknown): %w", err)}
 }
 
-// storeProduced writes a handler's output to the outbox in the inbox transaction.
-func (i *Inbox) storeProduced(txCtx context.Context, produced []*message.Message) error {
+// failTx ends a transaction whose handler (or outbox write) returned herr.
+func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failure {
+	kind := failMessage
+	switch {
+	case i.cfg.Store.Retryable(herr):
+		kind = failRetryable
+	case errors.Is(d.ctx.Err(), context.Canceled):
+		// The consumer is shutting down (the router cancels message contexts on Close):
+		// not the message's failure.
+		kind = failAbandoned
+	}
+	f := &failure{kind: kind, err: herr}
+	if counted == nil || kind == failRetryable {
+		// A retryable failure keeps the delivery's count (restored by the rollback) for
+		// the next try; deliver takes it back if no try succeeds.
+		_ = tx.Rollback(d.ctx)
+		return f
+	}
+	p := FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: herr.Error()}
+	if kind == failAbandoned {
+		p = FailParams{AttemptsDelta: -b2i(d.counted)}
+	}
+	n, err := counted.Fail(d.ctx, p)
+	if err != nil {
+		i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+	}
+	d.counted, d.attempts, f.attempts = false, n, n
+	return f
+}
+
+// adjust applies delta to the message's attempt record outside a transaction, and returns
+// the count afterwards (best effort: on a store error it logs and returns d.attempts).
+func (i *Inbox) adjust(d *delivery, delta int, errText string) int {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(d.ctx), i.cfg.FinishTimeout)
+	defer cancel()
+	n, err := i.attempts.AdjustAttempts(ctx, AttemptParams{Key: d.params.Key, AttemptsDelta: delta, Error: errText})
+	if err != nil {
+		i.logger.Error("Could not record the attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		return d.attempts
+	}
+	d.attempts = n
+	return n
+}
+
+// settle turns the delivery's last result into its one outcome: it dead-letters when that is
+// due, updates the counters, logs, tells the Observer, and returns what the middleware
+// returns (nil: the router acks).
+func (i *Inbox) settle(d *delivery, f *failure) error {
+	if f != nil {
+		i.settleFailure(d, f)
+	} else if d.res.Outcome == OutcomeCollision {
+		i.collision(d)
+	}
+	switch d.res.Outcome {
+	case OutcomeProcessed:
+		i.processed.Add(1)
+	case OutcomeDuplicate:
+		i.duplicates.Add(1)
+		i.logger.Debug("Duplicate message skipped", watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+	case OutcomeDeadLetteredSkip:
+		i.deadLetteredSkips.Add(1)
+		i.logger.Info("Dead-lettered message delivered again; skipped", watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+	case OutcomeDeadLettered:
+		i.deadLettered.Add(1)
+	case OutcomeFailedRetryable, OutcomeFailedFinal:
+		i.failed.Add(1)
+	}
+	if i.cfg.Observer != nil {
+		i.cfg.Observer.ObserveDelivery(d.ctx, d.res)
+	}
+	if d.res.Outcome.Acked() {
+		return nil
+	}
+	return d.res.Err
+}
+
+// settleFailure decides what a failure becomes: a dead letter, or an error for the router.
+func (i *Inbox) settleFailure(d *delivery, f *failure) {
+	d.res.Err = f.err
+	d.res.Attempts = d.attempts
+	if f.kind != failMessage {
+		// Not the message's failure: take back a count this delivery still holds.
+		if d.counted {
+			i.adjust(d, -1, "")
+			d.counted = false
+			d.res.Attempts = d.attempts
+		}
+		d.res.Outcome = OutcomeFailedRetryable
+		if f.kind == failAbandoned {
+			i.logger.Info("Delivery abandoned: the consumer is shutting down; not counted as an attempt", watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		}
+		return
+	}
+	permanent := IsPermanent(f.err)
+	if i.attempts == nil {
+		if permanent {
+			d.res.Outcome = OutcomeFailedFinal
+		} else {
+			d.res.Outcome = OutcomeFailedRetryable
+		}
+		return
+	}
+	d.res.Attempts = f.attempts
+	keyed := d.keyErr == nil
+	switch {
+	case d.res.Reason != "": // exhausted before the handler ran
+	case permanent:
+		d.res.Reason = "permanent error: " + f.err.Error()
+	case keyed && f.attempts >= i.cfg.MaxAttempts:
+		d.res.Reason = fmt.Sprintf("failed %d of %d attempts; last error: %s", f.attempts, i.cfg.MaxAttempts, f.err)
+	default:
+		d.res.Outcome = OutcomeFailedRetryable
+		return
+	}
+	if err := i.deadLetter(d, keyed); err != nil {
+		d.res.Err = err
+		d.res.Outcome = OutcomeFailedFinal
+		return
+	}
+	d.res.Outcome = OutcomeDeadLettered
+}
+
+// collision applies OnKeyCollision to a duplicate whose payload hash differs.
+func (i *Inbox) collision(d *delivery) {
+	i.collisions.Add(1)
+	i.logger.Error("Key collision: key already processed with a different payload", ErrKeyCollision,
+		watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID), "policy": i.cfg.OnKeyCollision})
+	switch {
+	case i.cfg.OnKeyCollision == CollisionSkip:
+		d.res.Outcome = OutcomeCollision // acked like a duplicate; counted in Collisions only
+	case i.cfg.OnKeyCollision == CollisionDeadLetter && i.attempts != nil:
+		// Not marked as dead-lettered: the key belongs to the message that was processed.
+		d.res.Reason = ErrKeyCollision.Error()
+		d.res.Err = ErrKeyCollision
+		if err := i.deadLetter(d, false); err != nil {
+			d.res.Err = err
+			d.res.Outcome = OutcomeFailedFinal
+			return
+		}
+		d.res.Outcome = OutcomeDeadLettered
+	default:
+		d.res.Err = ErrKeyCollision
+		d.res.Outcome = OutcomeFailedFinal
+	}
+}
+
+// storeProduced writes a handler's output to the outbox in the inbox transaction. Produced
+// messages without a correlation ID get the received message's, as Watermill's
+// CorrelationID middleware would have given them had the router published them.
+func (i *Inbox) storeProduced(txCtx context.Context, tx Tx, produced []*message.Message, received *message.Message) error {
 	if i.cfg.Outbox == nil {
 		return ErrProducedMessages
 	}
@@ -556,36 +521,24 @@ func (i *Inbox) storeProduced(txCtx context.Context, produced []*message.Message
 	if topic == "" {
 		return ErrNoPublishTopic
 	}
-	if err := i.cfg.Outbox.Store(txCtx, topic, produced); err != nil {
+	if cid := wmmiddleware.MessageCorrelationID(received); cid != "" {
+		for _, m := range produced {
+			if m != nil && wmmiddleware.MessageCorrelationID(m) == "" {
+				wmmiddleware.SetCorrelationID(cid, m)
+			}
+		}
+	}
+	if err := i.cfg.Outbox.Store(txCtx, tx, topic, produced); err != nil {
 		return fmt.Errorf("inbox: storing %d produced messages in the outbox: %w", len(produced), err)
 	}
 	return nil
 }
 
-// collision applies OnKeyCollision to a duplicate whose payload hash differs.
-func (i *Inbox) collision(msg *message.Message, claim Claim, r attemptResult) attemptResult {
-	i.collisions.Add(1)
-	i.logger.Error("Key collision: key already processed with a different payload", ErrKeyCollision,
-		watermill.LogFields{"message_uuid": safeUUID(msg.UUID), "policy": i.cfg.OnKeyCollision})
-	switch {
-	case i.cfg.OnKeyCollision == CollisionSkip:
-		return r
-	case i.cfg.OnKeyCollision == CollisionDeadLetter && i.deadLettering():
-		// Not marked as dead-lettered: the key belongs to the message that was processed.
-		r.err = i.deadLetter(msg, claim, r.attempt, ErrKeyCollision.Error(), false)
-	default:
-		r.err = ErrKeyCollision
+func b2i(b bool) int {
+	if b {
+		return 1
 	}
-	r.final = true
-	return r
-}
-
-// finish runs COMMIT or ROLLBACK on a context detached from the message's cancellation (it
-// keeps its values), bounded by FinishTimeout.
-func (i *Inbox) finish(msgCtx context.Context, f func(context.Context) error) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(msgCtx), i.cfg.FinishTimeout)
-	defer cancel()
-	return f(ctx)
+	return 0
 }
 
 // validOrEmpty drops optional metadata that PostgreSQL text cannot hold or that is unbounded.

@@ -37,8 +37,7 @@ func holdClaim(t *testing.T, e *env, id string) (release func()) {
 func TestClaimFailuresDoNotCountAsAttempts(t *testing.T) {
 	e := newEnv(t, 6)
 	dl := newDeadLetters(t)
-	ib := e.inbox("billing", withDeadLetters(dl, 2), func(c *inbox.Config) {
-		c.LockTimeout = 100 * time.Millisecond
+	ib := e.inbox("billing", withDeadLetters(dl, 2), e.withLockTimeout(100*time.Millisecond), func(c *inbox.Config) {
 		c.ClaimTimeout = 1500 * time.Millisecond
 	})
 	h := ib.Middleware(e.credit)
@@ -78,7 +77,7 @@ func TestClaimFailuresDoNotCountAsAttempts(t *testing.T) {
 func TestLockTimeoutWithDeadLetters(t *testing.T) {
 	e := newEnv(t, 4)
 	dl := newDeadLetters(t)
-	ib := e.inbox("billing", withDeadLetters(dl, 5), func(c *inbox.Config) { c.LockTimeout = 100 * time.Millisecond })
+	ib := e.inbox("billing", withDeadLetters(dl, 5), e.withLockTimeout(100*time.Millisecond))
 	started := make(chan struct{})
 	slow := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		out, err := e.credit(msg)

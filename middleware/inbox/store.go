@@ -8,103 +8,212 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// Claim is one inbox row: the key a delivery claims, and optional metadata kept for debugging.
-// Only MessageID and ConsumerName take part in deduplication.
-type Claim struct {
-	// MessageID is the producer's message ID or business idempotency key (validated, at most
-	// MaxKeyBytes bytes).
+// The storage contract (version 2). It may still change before 1.0; docs/design.md explains
+// it, with a diagram of one delivery's path.
+//
+// A store is one package per database (pgstore for PostgreSQL with pgx v5); storetest holds
+// the conformance suite every store must pass and MemStore, the in-memory reference store.
+// The core contract, Store, is what every transactional database can do. Optional
+// capabilities (AttemptStore, Purger) are separate interfaces that the inbox finds by a type
+// assertion, the way Watermill finds message.SubscribeInitializer. Methods take parameter
+// structs, so a field can be added without breaking an implementation.
+
+// Key is the inbox's unique key: one message for one consumer.
+type Key struct {
+	// MessageID is the producer's message ID or business idempotency key: valid UTF-8 without
+	// NUL, not blank, at most MaxKeyBytes bytes (see ValidateKey).
 	MessageID string
-	// ConsumerName names the handler that processes the message (at most MaxConsumerNameBytes).
+	// ConsumerName names the handler that processes the message (at most
+	// MaxConsumerNameBytes bytes). Handlers with different consumer names each process a
+	// message once and never block each other.
 	ConsumerName string
-	// MessageType is stored in message_type when non-empty.
-	MessageType string
-	// CorrelationID is stored in correlation_id when non-empty.
-	CorrelationID string
-	// PayloadHash is the SHA-256 of the payload (32 bytes), stored in payload_hash.
-	PayloadHash []byte
 }
 
-// TxOptions are the options of the transaction that holds a claim and the handler's writes.
-type TxOptions struct {
-	// Isolation is the transaction's isolation level. sql.LevelDefault means READ COMMITTED on
-	// PostgreSQL. Stores return an error for levels they do not support.
+// ClaimParams are the inputs of Store.Claim.
+type ClaimParams struct {
+	// Key is claimed insert-first.
+	Key Key
+	// Isolation is the transaction's isolation level. sql.LevelDefault means READ COMMITTED.
+	// Stores return an error wrapping ErrInvalidConfig for levels they do not support.
 	Isolation sql.IsolationLevel
-	// CountAttempt asks the store to count one more delivery attempt of the claim's key in a
-	// transaction of its own, committed before the claim transaction begins, so the count
-	// survives the claim transaction's rollback and a crash of the consumer. The claim
-	// transaction then also deletes the attempt record, so a successful commit clears it.
-	CountAttempt bool
-	// LockTimeout bounds each lock wait in the claim transaction (PostgreSQL lock_timeout; an
-	// expired wait fails with SQLSTATE 55P03). Zero keeps the server's setting.
-	LockTimeout time.Duration
-	// StatementTimeout bounds each statement in the claim transaction (PostgreSQL
-	// statement_timeout; SQLSTATE 57014). Zero keeps the server's setting.
-	StatementTimeout time.Duration
+	// MessageType and CorrelationID are kept with the claim for debugging when non-empty;
+	// they take no part in deduplication.
+	MessageType, CorrelationID string
+	// PayloadHash is the SHA-256 of the payload as received (32 bytes), kept with the claim
+	// so a later delivery with the same key and another payload is seen as a key collision.
+	PayloadHash []byte
+	// FinishTimeout bounds whatever the store does detached from ctx on the caller's behalf
+	// (a rollback after a failed claim, releasing a lock); zero means DefaultFinishTimeout.
+	FinishTimeout time.Duration
 }
 
-// ClaimResult is what BeginClaim learned about a key.
+// ClaimResult is what Store.Claim learned about a key.
 type ClaimResult struct {
-	// Claimed is true when this transaction inserted the claim, false for a duplicate.
+	// Claimed is true when this transaction inserted the claim: the returned Tx is open and
+	// the handler may run. False for a duplicate: the store has already ended its
+	// transaction and returned no Tx.
 	Claimed bool
-	// Attempt is this delivery's attempt number, starting at 1, when TxOptions.CountAttempt
-	// was set; 0 otherwise.
-	Attempt int
-	// DeadLettered is true when the key was dead-lettered earlier (and not replayed since).
-	// Only reported when TxOptions.CountAttempt was set.
-	DeadLettered bool
-	// StoredPayloadHash is the payload hash stored with the existing claim, for a duplicate;
-	// nil when the claim is new or the row has no hash.
+	// StoredPayloadHash is the payload hash kept with the existing claim, for a duplicate;
+	// nil when the claim is new or the row has none.
 	StoredPayloadHash []byte
 }
 
-// Store is the inbox's storage: it opens a transaction and claims a message in it, and keeps
-// the durable attempt count and dead-letter state of messages that have not been processed.
-// It is deliberately narrow, so other databases can implement it; every implementation must
-// pass the conformance suite in package storetest.
+// Store is the inbox's storage: it opens a transaction and claims a key in it. Every
+// implementation must pass the conformance suite in package storetest.
 //
-// The guarantee lives in the store's unique key on (message_id, consumer_name) and in its
+// The guarantee lives in the store's unique key on (message ID, consumer name) and in its
 // transactions, never in process memory.
 type Store interface {
-	// BeginClaim opens a transaction with opts and, inside it, inserts c unless a row with the
-	// same (MessageID, ConsumerName) exists, without a prior read (insert-first, so two
-	// concurrent claims serialise on the unique key: the second waits for the first to commit
-	// or roll back). In both cases the returned Tx is open and usable: a duplicate must not
-	// abort the transaction. On error no transaction is left open.
-	BeginClaim(ctx context.Context, opts TxOptions, c Claim) (Tx, ClaimResult, error)
+	// Claim opens a transaction with p.Isolation and, inside it, inserts p.Key unless it
+	// exists, without a prior read (insert-first: two concurrent claims of one key
+	// serialise on the unique key; the second waits for the first to commit or roll back).
+	// When the claim is new it returns the open Tx. For a duplicate it ends the transaction
+	// itself and returns a nil Tx with Claimed false. On error no transaction is left open;
+	// the error is the database's, wrapped with the failing step.
+	Claim(ctx context.Context, p ClaimParams) (Tx, ClaimResult, error)
 
-	// Retryable reports whether err (from BeginClaim, from the handler's statements in the
-	// transaction, or from Commit) is a transient conflict after which the whole transaction,
-	// claim included, can be retried: on PostgreSQL SQLSTATE 40001 (serialization_failure) and
-	// 40P01 (deadlock_detected). The transaction is known to have rolled back.
+	// Retryable reports whether err (from Claim, from the handler's statements in the
+	// transaction, or from Commit) is a transient conflict after which the whole
+	// transaction, claim included, can be retried: on PostgreSQL SQLSTATE 40001
+	// (serialization_failure) and 40P01 (deadlock_detected). The transaction is known to
+	// have rolled back.
 	Retryable(err error) bool
-
-	// RecordFailure stores errText as the last error of the key's attempt record (the store
-	// truncates it). It never stores payloads; callers pass error strings only.
-	RecordFailure(ctx context.Context, messageID, consumerName, errText string) error
-
-	// MarkDeadLettered records that the key was published to the dead-letter topic, with the
-	// reason. Later BeginClaim calls with CountAttempt report DeadLettered until Replay.
-	MarkDeadLettered(ctx context.Context, messageID, consumerName, reason string) error
-
-	// Replay clears the dead-lettered state and attempt count of a key, so its next delivery
-	// runs the handler again. It reports whether the key was dead-lettered.
-	Replay(ctx context.Context, messageID, consumerName string) (bool, error)
 }
 
-// Tx is an open inbox transaction. Exactly one of Commit or Rollback must be called; both
-// release the underlying connection. Rollback after Commit is a no-op.
+// Tx is an open inbox transaction. Exactly one of Commit or Rollback (or, for a CountedTx,
+// Fail) must be called; each releases the underlying connection. Calls after the first are
+// no-ops that return nil.
 type Tx interface {
 	// Context returns ctx carrying the store's native transaction, so the handler's business
 	// writes join it (for the pgx store: pgstore.TxFromContext).
 	Context(ctx context.Context) context.Context
 	// Commit commits the claim and everything written in the transaction. An error wrapping
-	// ErrCommitRolledBack means the server rolled the transaction back; any other non-nil
-	// error means the outcome may be unknown (the connection broke after COMMIT was sent):
-	// the caller must not ack, and the redelivery will resolve as a duplicate if it did
-	// commit.
+	// ErrCommitRolledBack means the server rolled the transaction back for certain (a
+	// statement had failed, or COMMIT itself raised an error such as a deferred constraint);
+	// any other non-nil error means the outcome is unknown (the connection broke after COMMIT
+	// was sent): the caller must not ack, and the redelivery resolves as a duplicate if it
+	// did commit.
 	Commit(ctx context.Context) error
-	// Rollback discards the transaction. It returns nil when the transaction is already closed.
+	// Rollback discards the transaction.
 	Rollback(ctx context.Context) error
+}
+
+// AttemptRecord is the durable attempt state of a key that has not been processed.
+type AttemptRecord struct {
+	// Attempts counts the deliveries whose handler ran (or may have run: a crash) without
+	// settling, this delivery included when it was counted before its claim.
+	Attempts int
+	// LastError is the last recorded handler error, truncated by the store; empty when none
+	// was recorded (the deliveries crashed). Never a payload.
+	LastError string
+	// DeadLettered is true once the message was published to the dead-letter topic (and not
+	// replayed since). DeadLetterReason says why.
+	DeadLettered     bool
+	DeadLetterReason string
+}
+
+// CountedClaimParams are the inputs of AttemptStore.ClaimCounted.
+type CountedClaimParams struct {
+	ClaimParams
+	// CountFirst asks the store to count this delivery durably before it claims: in a
+	// transaction of its own, committed first, so the count survives the claim's rollback
+	// and a crash of the consumer. Set it for a delivery that may be a redelivery (see
+	// Redelivery). Deliveries that count first serialise per key before counting, and count
+	// nothing when the key is already processed, so copies waiting behind a running delivery
+	// are never counted.
+	CountFirst bool
+}
+
+// CountedClaimResult is what AttemptStore.ClaimCounted learned.
+type CountedClaimResult struct {
+	ClaimResult
+	// Record is the key's attempt record as it stood at the claim (this delivery's own
+	// count included when Counted). For a duplicate it is zero.
+	Record AttemptRecord
+	// Counted is true when this delivery was counted before its claim.
+	Counted bool
+}
+
+// FailParams are the inputs of CountedTx.Fail.
+type FailParams struct {
+	// AttemptsDelta is added to the attempt record: 1 for a failed delivery that was not
+	// counted before its claim, 0 for one that was, -1 to take back a count made before the
+	// claim (a delivery abandoned because its consumer is shutting down).
+	AttemptsDelta int
+	// Error is stored as the last error (truncated by the store) when non-empty.
+	Error string
+}
+
+// CountedTx is the transaction of a counted claim.
+type CountedTx interface {
+	Tx
+	// Fail ends the transaction without processing the message: the handler's writes and
+	// the claim roll back, and the attempt record is updated (p) in the same commit, so a
+	// concurrent copy waiting on the claim sees the updated record. It returns the record's
+	// attempt count afterwards. On a store error the record is updated after the rollback
+	// instead, best effort, and the error is returned.
+	Fail(ctx context.Context, p FailParams) (attempts int, err error)
+}
+
+// AttemptParams name a key for the attempt-record methods of AttemptStore.
+type AttemptParams struct {
+	Key Key
+	// AttemptsDelta is added to the count by AdjustAttempts (see FailParams).
+	AttemptsDelta int
+	// Error is the last error for AdjustAttempts, the reason for MarkDeadLettered.
+	Error string
+}
+
+// AttemptStore is the optional capability behind durable attempt counting and dead letters
+// (Config.DeadLetterPublisher): a store that keeps, per key not yet processed, how many
+// deliveries ran its handler without settling, the last error, and whether it was
+// dead-lettered. The inbox refuses a dead-letter topic on a store without it.
+type AttemptStore interface {
+	Store
+	// ClaimCounted is Claim with the key's attempt record: in the claim's transaction it
+	// reads the record and, when the claim is new, deletes it, so a commit clears it and a
+	// rollback restores it. A key whose record is dead-lettered is not claimed: the store
+	// ends its transaction and returns a nil Tx with Record.DeadLettered set. A duplicate
+	// leaves no record behind and no transaction open.
+	ClaimCounted(ctx context.Context, p CountedClaimParams) (CountedTx, CountedClaimResult, error)
+	// AdjustAttempts adds p.AttemptsDelta to the key's attempt record outside any claim,
+	// and stores p.Error as its last error when non-empty; a positive delta creates the
+	// record unless the key is already processed. It returns the count afterwards. Used
+	// when a claim transaction ended without Fail (a rollback certain at COMMIT).
+	AdjustAttempts(ctx context.Context, p AttemptParams) (attempts int, err error)
+	// MarkDeadLettered records that the key was published to the dead-letter topic, with
+	// p.Error as the reason. Later ClaimCounted calls report it until Replay.
+	MarkDeadLettered(ctx context.Context, p AttemptParams) error
+	// Replay deletes the key's dead-lettered attempt record, so its next delivery runs the
+	// handler again. It reports whether the key was dead-lettered.
+	Replay(ctx context.Context, p AttemptParams) (bool, error)
+}
+
+// PurgeParams are the inputs of Purger.Purge.
+type PurgeParams struct {
+	// Before: rows of processed messages older than this are deleted.
+	Before time.Time
+	// BatchSize bounds the rows deleted per transaction; zero means 5,000.
+	BatchSize int
+	// ConsumerName, when non-empty, limits the purge to one consumer.
+	ConsumerName string
+}
+
+// PurgeResult reports what Purger.Purge did.
+type PurgeResult struct {
+	// Deleted is the number of inbox rows deleted.
+	Deleted int64
+	// Batches is the number of delete transactions run.
+	Batches int
+}
+
+// Purger is the optional capability of deleting processed rows past the retention window.
+// Purging a row lets a later redelivery of its message through as new: Before must be
+// older than the longest redelivery, replay or offset reset the consumer supports.
+type Purger interface {
+	// Purge deletes processed rows older than p.Before in bounded batches, oldest first,
+	// until a batch deletes fewer rows than its size or ctx ends.
+	Purge(ctx context.Context, p PurgeParams) (PurgeResult, error)
 }
 
 // Outbox stores the messages a handler returns inside the inbox transaction, so they commit
@@ -112,7 +221,8 @@ type Tx interface {
 // after the commit (package outbox). Without an Outbox the inbox refuses handler output
 // (ErrProducedMessages).
 type Outbox interface {
-	// Store writes msgs, destined for topic, in the transaction that ctx carries (the inbox
-	// transaction, from Tx.Context). Their UUIDs and metadata must be kept.
-	Store(ctx context.Context, topic string, msgs []*message.Message) error
+	// Store writes msgs, destined for topic, in the inbox transaction tx (the delivery's own,
+	// as the store returned it). Their UUIDs and metadata must be kept. ctx is the handler's
+	// context.
+	Store(ctx context.Context, tx Tx, topic string, msgs []*message.Message) error
 }

@@ -15,10 +15,10 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
-// ErrNoTransaction is returned by Outbox.Store when its context carries no inbox transaction
-// (pgstore.TxFromContext finds none): Store was called outside an inbox-wrapped handler, or the
-// inbox's Store is not a pgstore.Store. It is a wiring error, not marked permanent.
-var ErrNoTransaction = errors.New("outbox: no inbox transaction in the context (the inbox must use pgstore)")
+// ErrNotPgxTx is returned (wrapping inbox.ErrInvalidConfig) by Outbox.Store when the inbox
+// transaction it is handed was not opened by a pgstore Store: the outbox writes with
+// watermill-sql on pgx, so the inbox must use pgstore. It is a wiring error, not permanent.
+var ErrNotPgxTx = fmt.Errorf("%w: outbox: the inbox transaction is not a pgstore transaction (the inbox must use pgstore)", inbox.ErrInvalidConfig)
 
 // Outbox implements inbox.Outbox with Watermill's components: a watermill-sql v4 Publisher on
 // the inbox's pgx transaction (sql.TxFromPgx), decorated by components/forwarder's Publisher,
@@ -55,18 +55,18 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 func (o *Outbox) Config() Config { return o.cfg }
 
 // Store implements inbox.Outbox: it inserts msgs, enveloped for topic, into the outbox table in
-// the pgx transaction that ctx carries (pgstore.TxFromContext), in one INSERT statement, in
-// order. It does not commit: the inbox does. The caller's messages are not modified.
+// the inbox transaction itx (pgstore.PgxTx), in one INSERT statement, in order. It does not
+// commit: the inbox does. The caller's messages are not modified.
 //
-// Errors: ErrNoTransaction without a transaction; an *inbox.InvalidKeyError (permanent) for a
+// Errors: ErrNotPgxTx for a transaction of another store; an *inbox.InvalidKeyError (permanent) for a
 // message whose UUID a downstream inbox would refuse (empty, over inbox.MaxKeyBytes, invalid
 // UTF-8, NUL); a permanent error for a nil message, an empty topic, or metadata that is not
 // valid UTF-8 (the JSON envelope would silently alter it); otherwise watermill-sql's or pgx's
 // error, wrapped. Errors name message UUIDs and metadata keys, never payloads or values.
-func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Message) error {
-	tx, ok := pgstore.TxFromContext(ctx)
+func (o *Outbox) Store(ctx context.Context, itx inbox.Tx, topic string, msgs []*message.Message) error {
+	tx, ok := pgstore.PgxTx(itx)
 	if !ok {
-		return ErrNoTransaction
+		return ErrNotPgxTx
 	}
 	if topic == "" || !utf8.ValidString(topic) {
 		return inbox.Permanent(errors.New("outbox: destination topic must be non-empty valid UTF-8"))

@@ -1,5 +1,6 @@
-// Package pgstore is the PostgreSQL (pgx v5) implementation of the inbox's Store: the claim
-// SQL, the embedded migrations and the accessor that hands the inbox transaction to handlers.
+// Package pgstore is the PostgreSQL (pgx v5) implementation of the inbox's Store and of its
+// optional capabilities (inbox.AttemptStore, inbox.Purger): the claim SQL, the embedded
+// migrations and the accessor that hands the inbox transaction to handlers.
 //
 //	pool, _ := pgxpool.New(ctx, "postgres://localhost/app")
 //	store, _ := pgstore.New(pool, pgstore.Config{}) // table public.inbox_processed_messages
@@ -24,6 +25,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -37,6 +39,9 @@ import (
 const (
 	DefaultSchema = "public"
 	DefaultTable  = "inbox_processed_messages"
+	// DefaultPurgeBatchSize is the number of rows Purge deletes per transaction when
+	// PurgeParams.BatchSize is zero.
+	DefaultPurgeBatchSize = 5000
 )
 
 // PostgreSQL SQLSTATE codes the store classifies.
@@ -51,13 +56,22 @@ const (
 // (NAMEDATALEN-1): a letter or underscore, then letters, digits or underscores.
 var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 
-// Config names the inbox table. Names are validated against identifierRE and always quoted.
+// Config names the inbox table and holds the PostgreSQL settings of the inbox transaction.
+// Names are validated against identifierRE and always quoted.
 type Config struct {
 	// Schema holding the table. Default: DefaultSchema. Migrate creates it when missing.
 	Schema string
 	// Table name. Default: DefaultTable. At most 47 bytes, so that the derived index name
 	// "<table>_received_at_idx" fits PostgreSQL's 63-byte identifier limit.
 	Table string
+	// LockTimeout bounds every lock wait in the inbox transaction (PostgreSQL lock_timeout,
+	// set locally; an expired wait fails with SQLSTATE 55P03), including a concurrent
+	// duplicate's wait behind a slow handler's uncommitted claim and a counted delivery's
+	// wait for the key's attempt lock. Zero keeps the server's setting.
+	LockTimeout time.Duration
+	// StatementTimeout bounds every statement in the inbox transaction (PostgreSQL
+	// statement_timeout, set locally; SQLSTATE 57014). Zero keeps the server's setting.
+	StatementTimeout time.Duration
 }
 
 // Store is the pgx v5 inbox store. It is safe for concurrent use.
@@ -67,21 +81,25 @@ type Store struct {
 	table    string // quoted "schema"."table"
 	versions string // quoted "schema".watermill_inbox_migrations
 	attempts string // quoted "schema"."<table>_attempts"
-	claimSQL string
-	// attemptSQL counts one attempt and returns (attempts, dead-lettered).
-	attemptSQL string
-	// clearAttemptsSQL deletes a key's attempt record unless it is dead-lettered.
-	clearAttemptsSQL string
+
+	claimSQL, recordSQL, countSQL, uncountSQL, hashSQL, clearSQL string
 }
 
-var _ inbox.Store = (*Store)(nil)
+var (
+	_ inbox.Store        = (*Store)(nil)
+	_ inbox.AttemptStore = (*Store)(nil)
+	_ inbox.Purger       = (*Store)(nil)
+)
 
-// New returns a Store on pool, or an error wrapping inbox.ErrInvalidConfig for a nil pool or
-// an invalid schema or table name. It does not touch the database; call Migrate (or run the
-// script from MigrationSQL) before the first claim.
+// New returns a Store on pool, or an error wrapping inbox.ErrInvalidConfig for a nil pool, an
+// invalid schema or table name, or a negative timeout. It does not touch the database; call
+// Migrate (or run the script from MigrationSQL) before the first claim.
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pgstore: nil pool", inbox.ErrInvalidConfig)
+	}
+	if cfg.LockTimeout < 0 || cfg.StatementTimeout < 0 {
+		return nil, fmt.Errorf("%w: pgstore: negative timeout", inbox.ErrInvalidConfig)
 	}
 	s, err := newNames(cfg)
 	if err != nil {
@@ -107,19 +125,27 @@ func newNames(cfg Config) (*Store, error) {
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
 	attempts := pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize()
+	insert := "INSERT INTO " + table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
+		" VALUES ($1, $2, $3, $4, $5) ON CONFLICT (message_id, consumer_name) DO NOTHING"
 	return &Store{
 		cfg:      cfg,
 		table:    table,
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
 		attempts: attempts,
-		claimSQL: "INSERT INTO " + table +
-			" (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
-			" VALUES ($1, $2, $3, $4, $5) ON CONFLICT (message_id, consumer_name) DO NOTHING",
-		attemptSQL: "INSERT INTO " + attempts + " AS a (message_id, consumer_name) VALUES ($1, $2)" +
+		claimSQL: insert,
+		// The key's attempt record, read in a statement of its own after the claim, so that
+		// under READ COMMITTED it sees what the transaction it waited for recorded.
+		recordSQL: "SELECT attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + attempts +
+			" WHERE message_id = $1 AND consumer_name = $2",
+		// Counts a delivery unless its key is already processed or dead-lettered.
+		countSQL: "INSERT INTO " + attempts + " AS a (message_id, consumer_name)" +
+			" SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM " + table + " WHERE message_id = $1 AND consumer_name = $2)" +
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
-			" RETURNING a.attempts, a.dead_lettered_at IS NOT NULL",
-		clearAttemptsSQL: "DELETE FROM " + attempts +
-			" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL",
+			" WHERE a.dead_lettered_at IS NULL",
+		uncountSQL: "UPDATE " + attempts + " SET attempts = attempts - 1" +
+			" WHERE message_id = $1 AND consumer_name = $2 AND attempts > 0 AND dead_lettered_at IS NULL",
+		hashSQL:  "SELECT payload_hash FROM " + table + " WHERE message_id = $1 AND consumer_name = $2",
+		clearSQL: "DELETE FROM " + attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL",
 	}, nil
 }
 
@@ -133,6 +159,9 @@ func (s *Store) AttemptsTable() string { return s.attempts }
 // Pool returns the pool the store claims on.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
+// Config returns the configuration with defaults filled.
+func (s *Store) Config() Config { return s.cfg }
+
 func isoLevel(l sql.IsolationLevel) (pgx.TxIsoLevel, error) {
 	switch l {
 	case sql.LevelDefault, sql.LevelReadCommitted:
@@ -145,146 +174,254 @@ func isoLevel(l sql.IsolationLevel) (pgx.TxIsoLevel, error) {
 	return "", fmt.Errorf("%w: pgstore: isolation level %s is not supported", inbox.ErrInvalidConfig, l)
 }
 
-// BeginClaim implements inbox.Store. Everything before the handler travels in one pipelined
-// round trip (pgx's Batch.BeginTx):
+// queueTimeouts queues the local lock_timeout and statement_timeout of the current transaction.
+func (s *Store) queueTimeouts(b *pgx.Batch) {
+	if s.cfg.LockTimeout > 0 {
+		b.Queue("select set_config('lock_timeout', $1, true)", strconv.FormatInt(s.cfg.LockTimeout.Milliseconds(), 10))
+	}
+	if s.cfg.StatementTimeout > 0 {
+		b.Queue("select set_config('statement_timeout', $1, true)", strconv.FormatInt(s.cfg.StatementTimeout.Milliseconds(), 10))
+	}
+}
+
+// Claim implements inbox.Store. BEGIN, the local timeouts and the claim travel in one
+// pipelined round trip (pgx's Batch.BeginTx):
 //
-//   - with CountAttempt: BEGIN; SET LOCAL synchronous_commit TO OFF; the attempt upsert
-//     (INSERT ... ON CONFLICT DO UPDATE SET attempts = attempts + 1 RETURNING ...); COMMIT;
-//   - BEGIN ISOLATION LEVEL ...; lock_timeout and statement_timeout (set_config, local);
-//   - INSERT ... ON CONFLICT (message_id, consumer_name) DO NOTHING: zero rows means a
-//     duplicate. ON CONFLICT DO NOTHING never raises 23505, so a duplicate leaves the
-//     transaction usable, and a concurrent claim of the same key waits on the first
-//     transaction's uncommitted row;
-//   - with CountAttempt: DELETE of the attempt record, which commits with a successful
-//     delivery and is undone by a rollback.
+//	BEGIN ISOLATION LEVEL ...; INSERT ... ON CONFLICT (message_id, consumer_name) DO NOTHING
 //
-// The attempt transaction commits asynchronously (synchronous_commit off): it survives any
-// crash of the consumer and any rollback, and only a crash of the PostgreSQL server itself
-// within wal_writer_delay (200 ms by default) can lose the latest increments, which costs a
-// poison message at most one extra attempt. A duplicate costs one more round trip, to read
-// the stored payload hash. The transaction holds one pool connection until Commit or
-// Rollback. Errors are pgx's, wrapped with the failing step; on error the transaction is
-// rolled back and the connection released.
-func (s *Store) BeginClaim(ctx context.Context, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, inbox.ClaimResult, error) {
-	var res inbox.ClaimResult
-	lvl, err := isoLevel(opts.Isolation)
+// Zero rows inserted means a duplicate. ON CONFLICT DO NOTHING never raises 23505, and a
+// concurrent claim of the same key waits on the first transaction's uncommitted row. A
+// duplicate costs one more round trip, to read the stored payload hash, then the store rolls
+// its transaction back. Errors are pgx's, wrapped with the failing step; on error the
+// transaction is rolled back and the connection released.
+func (s *Store) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
+	t, res, err := s.claim(ctx, inbox.CountedClaimParams{ClaimParams: p}, false)
+	if t == nil {
+		return nil, res.ClaimResult, err
+	}
+	return t, res.ClaimResult, err
+}
+
+// ClaimCounted implements inbox.AttemptStore. Everything before the handler travels in one
+// pipelined round trip:
+//
+//   - with CountFirst: BEGIN; SET LOCAL synchronous_commit TO OFF; the local timeouts;
+//     pg_advisory_lock on the key (a session-level lock, held until the claim transaction
+//     ends, so counted deliveries of one key count one at a time); the count (INSERT ...
+//     SELECT ... WHERE NOT EXISTS (processed) ON CONFLICT DO UPDATE SET attempts = attempts
+//   - 1); COMMIT;
+//   - BEGIN ISOLATION LEVEL ...; the local timeouts; one statement that claims and, when
+//     the claim inserted, deletes the key's attempt record RETURNING it; SAVEPOINT, so Fail
+//     can undo the handler's writes and keep the transaction to record the failure.
+//
+// The count commits asynchronously (synchronous_commit off): it survives any crash of the
+// consumer and any rollback; only a crash of the PostgreSQL server itself within
+// wal_writer_delay (200 ms by default) can lose it, which costs a poison message one extra
+// attempt. A dead-lettered key is not claimed. A duplicate costs one more round trip (the
+// stored payload hash, the rollback, and for a counted delivery the removal of its count).
+func (s *Store) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
+	t, res, err := s.claim(ctx, p, true)
+	if t == nil {
+		return nil, res, err
+	}
+	return t, res, err
+}
+
+func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
+	var res inbox.CountedClaimResult
+	lvl, err := isoLevel(p.Isolation)
 	if err != nil {
 		return nil, res, err
 	}
-	timeouts := func(b *pgx.Batch) {
-		if opts.LockTimeout > 0 {
-			b.Queue("select set_config('lock_timeout', $1, true)", strconv.FormatInt(opts.LockTimeout.Milliseconds(), 10))
-		}
-		if opts.StatementTimeout > 0 {
-			b.Queue("select set_config('statement_timeout', $1, true)", strconv.FormatInt(opts.StatementTimeout.Milliseconds(), 10))
-		}
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, res, fmt.Errorf("acquire a connection: %w", err)
 	}
+	t := &claimTx{s: s, conn: conn, key: p.Key, finish: p.FinishTimeout, counted: counted, iso: lvl}
+	if t.finish <= 0 {
+		t.finish = inbox.DefaultFinishTimeout
+	}
+	k := p.Key
 	b := &pgx.Batch{}
-	counted := false // the attempt transaction committed
-	if opts.CountAttempt {
-		// The batch's transaction (the one pgx hands back) is the second BEGIN below; the
-		// first is the attempt's own, committed inside the same pipeline.
+	if counted && p.CountFirst {
+		// The transaction pgx hands back is the second BEGIN below: the first is the
+		// count's own, committed inside the same pipeline.
 		b.BeginTx(pgx.TxOptions{})
 		b.Queue("set local synchronous_commit to off")
-		timeouts(b)
-		b.Queue(s.attemptSQL, c.MessageID, c.ConsumerName).QueryRow(func(row pgx.Row) error {
-			return row.Scan(&res.Attempt, &res.DeadLettered)
-		})
-		b.Queue("commit").Exec(func(ct pgconn.CommandTag) error {
-			counted = ct.String() == "COMMIT"
+		s.queueTimeouts(b)
+		b.Queue("select pg_advisory_lock(hashtextextended($1, 0))", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
+			t.locked = true
 			return nil
 		})
+		b.Queue(s.countSQL, k.MessageID, k.ConsumerName).Exec(func(ct pgconn.CommandTag) error {
+			res.Counted = ct.RowsAffected() == 1
+			return nil
+		})
+		b.Queue("commit")
 		b.Queue("begin isolation level " + strings.ToLower(string(lvl)))
 	} else {
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
-	timeouts(b)
-	var tag pgconn.CommandTag
-	b.Queue(s.claimSQL, c.MessageID, c.ConsumerName, nullIfEmpty(c.MessageType), nullIfEmpty(c.CorrelationID), c.PayloadHash).
-		Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
-	if opts.CountAttempt {
-		b.Queue(s.clearAttemptsSQL, c.MessageID, c.ConsumerName)
-	}
-	br := s.pool.SendBatch(ctx, b)
-	tx := br.Tx()
-	if err := br.Close(); err != nil {
-		rollbackDetached(ctx, tx)
-		if counted {
-			// The claim never happened, so this delivery did not reach the handler: take
-			// its attempt back, so that a lock wait or a timeout during the claim does not
-			// bring an unprocessed message closer to the dead-letter topic.
-			s.uncountAttempt(ctx, c)
-		}
-		return nil, inbox.ClaimResult{}, err
-	}
-	res.Claimed = tag.RowsAffected() == 1
-	if !res.Claimed {
-		err := tx.QueryRow(ctx, "SELECT payload_hash FROM "+s.table+" WHERE message_id = $1 AND consumer_name = $2",
-			c.MessageID, c.ConsumerName).Scan(&res.StoredPayloadHash)
-		if err != nil {
-			rollbackDetached(ctx, tx)
-			if counted {
-				s.uncountAttempt(ctx, c)
+	s.queueTimeouts(b)
+	args := []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
+	b.Queue(s.claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
+		res.Claimed = ct.RowsAffected() == 1
+		return nil
+	})
+	if counted {
+		b.Queue(s.recordSQL, k.MessageID, k.ConsumerName).QueryRow(func(row pgx.Row) error {
+			var attempts int32
+			var lastError, reason *string
+			err := row.Scan(&attempts, &lastError, &res.Record.DeadLettered, &reason)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
 			}
-			return nil, inbox.ClaimResult{}, fmt.Errorf("read stored payload hash: %w", err)
-		}
+			res.Record.Attempts = int(attempts)
+			res.Record.LastError = deref(lastError)
+			res.Record.DeadLetterReason = deref(reason)
+			return err
+		})
+		b.Queue("savepoint inbox_handler")
 	}
-	return &claimTx{tx: tx}, res, nil
+	br := conn.Conn().SendBatch(ctx, b)
+	t.tx = br.Tx()
+	if err := br.Close(); err != nil {
+		_ = t.end(ctx, func(ctx context.Context) error {
+			_ = t.tx.Rollback(ctx)
+			if res.Counted {
+				// The claim never happened, so this delivery did not reach the handler:
+				// take its count back (still under the key's lock, so no count is lost).
+				b := &pgx.Batch{}
+				b.Queue("DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
+					" AND attempts <= 1 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
+				b.Queue(s.uncountSQL, k.MessageID, k.ConsumerName)
+				_ = conn.Conn().SendBatch(ctx, b).Close()
+			}
+			return nil
+		})
+		return nil, inbox.CountedClaimResult{}, fmt.Errorf("claim: %w", err)
+	}
+	t.rec = res.Record
+	t.dirty = res.Counted || res.Record.Attempts > 0 || res.Record.LastError != "" || lvl != pgx.ReadCommitted
+	switch {
+	case res.Claimed && res.Record.DeadLettered:
+		// Not claimed after all: the rollback takes the claim back.
+		res.Claimed = false
+		if err := t.end(ctx, t.tx.Rollback); err != nil {
+			return nil, inbox.CountedClaimResult{}, fmt.Errorf("claim: roll back a dead-lettered key: %w", err)
+		}
+		return nil, res, nil
+	case res.Claimed:
+		return t, res, nil
+	}
+	// A duplicate: read the stored hash and end the transaction in one round trip; with
+	// attempts, also delete the key's attempt record: the key is processed, so a live
+	// record (this delivery's count, or one left by an earlier try) is stale.
+	res.Record = inbox.AttemptRecord{}
+	err = t.end(ctx, func(ctx context.Context) error {
+		b := &pgx.Batch{}
+		b.Queue(s.hashSQL, k.MessageID, k.ConsumerName).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&res.StoredPayloadHash)
+		})
+		b.Queue("rollback")
+		if counted {
+			b.Queue(s.clearSQL, k.MessageID, k.ConsumerName)
+		}
+		if err := conn.Conn().SendBatch(ctx, b).Close(); err != nil {
+			_, _ = conn.Exec(ctx, "rollback")
+			return fmt.Errorf("read stored payload hash: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, inbox.CountedClaimResult{}, err
+	}
+	return nil, res, nil
 }
 
-// uncountAttempt takes back an attempt counted for a delivery whose claim failed. It is best
-// effort: when the database is unreachable it fails too, and the attempt stays counted.
-func (s *Store) uncountAttempt(ctx context.Context, c inbox.Claim) {
-	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), inbox.DefaultFinishTimeout)
-	defer cancel()
-	_, _ = s.pool.Exec(uctx, "UPDATE "+s.attempts+" SET attempts = attempts - 1"+
-		" WHERE message_id = $1 AND consumer_name = $2 AND attempts > 0 AND dead_lettered_at IS NULL",
-		c.MessageID, c.ConsumerName)
+// lockKey is the text hashed into the key's advisory lock: table, consumer name and message
+// ID, separated by a unit separator that valid keys do not contain in that position's role.
+func (s *Store) lockKey(k inbox.Key) string {
+	return s.table + "\x1f" + k.ConsumerName + "\x1f" + k.MessageID
 }
 
-// rollbackDetached rolls tx back (releasing its connection; pgxpool destroys it if it is not
-// idle afterwards) even when ctx is already cancelled.
-func rollbackDetached(ctx context.Context, tx pgx.Tx) {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), inbox.DefaultFinishTimeout)
-	defer cancel()
-	_ = tx.Rollback(rctx)
-}
-
-// maxErrorBytes bounds the last_error column, in bytes.
+// maxErrorBytes bounds the last_error and dead_letter_reason columns, in bytes.
 const maxErrorBytes = 1024
 
-// RecordFailure implements inbox.Store: it stores errText, truncated to 1,024 bytes on a UTF-8
-// boundary, as the key's last error.
-func (s *Store) RecordFailure(ctx context.Context, messageID, consumerName, errText string) error {
-	_, err := s.pool.Exec(ctx, "UPDATE "+s.attempts+" SET last_error = $3 WHERE message_id = $1 AND consumer_name = $2",
-		messageID, consumerName, truncateUTF8(errText, maxErrorBytes))
-	if err != nil {
-		return fmt.Errorf("record failure: %w", err)
+// AdjustAttempts implements inbox.AttemptStore.
+func (s *Store) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int, error) {
+	k := p.Key
+	var n int32
+	var err error
+	if p.AttemptsDelta > 0 {
+		err = s.pool.QueryRow(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, attempts, last_error)"+
+			" SELECT $1, $2, $3, $4 WHERE NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE message_id = $1 AND consumer_name = $2)"+
+			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + EXCLUDED.attempts,"+
+			" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now()"+
+			" RETURNING a.attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
+	} else {
+		err = s.pool.QueryRow(ctx, "UPDATE "+s.attempts+" SET attempts = greatest(attempts + $3, 0),"+
+			" last_error = coalesce($4, last_error) WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL"+
+			" RETURNING attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
+		if err == nil && n == 0 {
+			_, err = s.pool.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
+				" AND attempts = 0 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
+		}
 	}
-	return nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("adjust attempts: %w", err)
+	}
+	return int(n), nil
 }
 
-// MarkDeadLettered implements inbox.Store. It creates the attempt record when it does not
-// exist (a message dead-lettered on its first delivery).
-func (s *Store) MarkDeadLettered(ctx context.Context, messageID, consumerName, reason string) error {
+// MarkDeadLettered implements inbox.AttemptStore. It creates the attempt record when it does
+// not exist (a message dead-lettered on its first delivery).
+func (s *Store) MarkDeadLettered(ctx context.Context, p inbox.AttemptParams) error {
 	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, dead_lettered_at, dead_letter_reason)"+
 		" VALUES ($1, $2, now(), $3) ON CONFLICT (message_id, consumer_name) DO UPDATE"+
 		" SET dead_lettered_at = now(), dead_letter_reason = EXCLUDED.dead_letter_reason",
-		messageID, consumerName, truncateUTF8(reason, maxErrorBytes))
+		p.Key.MessageID, p.Key.ConsumerName, truncateUTF8(p.Error, maxErrorBytes))
 	if err != nil {
 		return fmt.Errorf("mark dead-lettered: %w", err)
 	}
 	return nil
 }
 
-// Replay implements inbox.Store: it deletes the key's dead-lettered attempt record.
-func (s *Store) Replay(ctx context.Context, messageID, consumerName string) (bool, error) {
+// Replay implements inbox.AttemptStore: it deletes the key's dead-lettered attempt record.
+func (s *Store) Replay(ctx context.Context, p inbox.AttemptParams) (bool, error) {
 	tag, err := s.pool.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NOT NULL",
-		messageID, consumerName)
+		p.Key.MessageID, p.Key.ConsumerName)
 	if err != nil {
 		return false, fmt.Errorf("replay: %w", err)
 	}
 	return tag.RowsAffected() == 1, nil
+}
+
+// Purge implements inbox.Purger: it deletes processed rows whose received_at is before
+// p.Before, p.BatchSize rows per transaction (default DefaultPurgeBatchSize), oldest first,
+// until a batch deletes fewer rows than its size or ctx ends. It uses the received_at index.
+func (s *Store) Purge(ctx context.Context, p inbox.PurgeParams) (inbox.PurgeResult, error) {
+	var res inbox.PurgeResult
+	size := p.BatchSize
+	if size <= 0 {
+		size = DefaultPurgeBatchSize
+	}
+	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table +
+		" WHERE received_at < $1 AND ($2::text IS NULL OR consumer_name = $2) ORDER BY received_at LIMIT $3))"
+	for {
+		tag, err := s.pool.Exec(ctx, q, p.Before, nullIfEmpty(p.ConsumerName), size)
+		if err != nil {
+			return res, fmt.Errorf("purge: %w", err)
+		}
+		res.Batches++
+		res.Deleted += tag.RowsAffected()
+		if tag.RowsAffected() < int64(size) {
+			return res, nil
+		}
+	}
 }
 
 // truncateUTF8 cuts s to at most n bytes without splitting a UTF-8 sequence, and replaces
@@ -316,6 +453,13 @@ func nullIfEmpty(s string) any {
 	return s
 }
 
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
 type txKey struct{}
 
 // TxFromContext returns the inbox transaction of the delivery whose context is ctx (the
@@ -327,28 +471,170 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	return tx, ok
 }
 
+// PgxTx returns the pgx transaction of an inbox transaction opened by a pgstore Store, and
+// false for a transaction of another store. The outbox uses it to write in the inbox
+// transaction it is handed.
+func PgxTx(tx inbox.Tx) (pgx.Tx, bool) {
+	t, ok := tx.(*claimTx)
+	if !ok || t == nil {
+		return nil, false
+	}
+	return t.tx, true
+}
+
+// claimTx is an open claim transaction on a connection acquired for it. It releases the
+// connection (after the advisory lock, when it holds one) once it ends.
 type claimTx struct {
-	tx pgx.Tx
+	s       *Store
+	conn    *pgxpool.Conn
+	tx      pgx.Tx
+	key     inbox.Key
+	iso     pgx.TxIsoLevel
+	finish  time.Duration
+	counted bool                // a counted claim (ClaimCounted)
+	locked  bool                // holds the key's advisory lock
+	rec     inbox.AttemptRecord // the attempt record read at the claim
+	// dirty: the key may have an attempt record for the commit to clear (one was read, this
+	// delivery counted, or the snapshot could have missed one).
+	dirty bool
+	ended bool
 }
 
 func (t *claimTx) Context(ctx context.Context) context.Context {
 	return context.WithValue(ctx, txKey{}, t.tx)
 }
 
-// Commit commits; an error wraps inbox.ErrCommitRolledBack when the server answered ROLLBACK
-// (pgx.ErrTxCommitRollback: a statement in the transaction had failed), which is a definite
-// outcome. Any other error leaves the outcome unknown.
-func (t *claimTx) Commit(ctx context.Context) error {
-	err := t.tx.Commit(ctx)
-	if errors.Is(err, pgx.ErrTxCommitRollback) {
-		return fmt.Errorf("%w: %w", inbox.ErrCommitRolledBack, err)
+// end runs f on a context detached from ctx's cancellation and bounded by the finish
+// timeout, then releases the advisory lock (when held) and the connection. A connection
+// whose lock cannot be released is closed, so the lock cannot outlive the delivery.
+func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error {
+	if t.ended {
+		return nil
 	}
+	t.ended = true
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
+	defer cancel()
+	err := f(dctx)
+	if t.locked {
+		if _, uerr := t.conn.Exec(dctx, "select pg_advisory_unlock_all()"); uerr != nil {
+			_ = t.conn.Conn().Close(dctx)
+		}
+	}
+	t.conn.Release()
 	return err
 }
 
-func (t *claimTx) Rollback(ctx context.Context) error {
-	if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+// Commit commits. For a counted claim whose key may have an attempt record, the record's
+// removal follows COMMIT in the same round trip, in a statement of its own (so it sees
+// records committed after the claim's snapshot); a crash between the two leaves a stale
+// record of a processed key, which the next counted duplicate of the key removes.
+//
+// An error wraps inbox.ErrCommitRolledBack when the rollback is certain: the server answered
+// ROLLBACK (a statement in the transaction had failed) or COMMIT raised an error (a
+// *pgconn.PgError, such as a deferred constraint's SQLSTATE 23505, or 40001 under
+// SERIALIZABLE, which Retryable also reports). Any other error leaves the outcome unknown.
+func (t *claimTx) Commit(ctx context.Context) error {
+	return t.end(ctx, func(ctx context.Context) error {
+		var err error
+		if t.counted && t.dirty {
+			// Unnamed statements in one pipeline (pgconn's batch): no prepare round trip, so
+			// COMMIT is on the wire at once, as with pgx's own Tx.Commit.
+			b := &pgconn.Batch{}
+			b.ExecParams("commit", nil, nil, nil, nil)
+			b.ExecParams(t.s.clearSQL, [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}, nil, nil, nil)
+			results, rerr := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
+			committed := len(results) > 0 && results[0].Err == nil && results[0].CommandTag.String() == "COMMIT"
+			switch {
+			case committed:
+				// The commit is certain; a failed clean-up only leaves a stale record.
+				err = nil
+			case len(results) > 0 && results[0].Err != nil:
+				err = results[0].Err
+			case len(results) > 0:
+				err = pgx.ErrTxCommitRollback
+			default:
+				err = rerr
+			}
+		} else {
+			err = t.tx.Commit(ctx)
+		}
+		var pgErr *pgconn.PgError
+		if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
+			return fmt.Errorf("%w: %w", inbox.ErrCommitRolledBack, err)
+		}
 		return err
+	})
+}
+
+func (t *claimTx) Rollback(ctx context.Context) error {
+	return t.end(ctx, func(ctx context.Context) error {
+		if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+			return err
+		}
+		return nil
+	})
+}
+
+// Fail implements inbox.CountedTx. In one round trip: ROLLBACK TO SAVEPOINT (the handler's
+// writes); the attempt record updated (AttemptsDelta added, the error stored); the claim row
+// deleted; COMMIT. The claim row is released only by that COMMIT, so a copy waiting on it
+// reads the updated record. If that fails (a serialization failure under REPEATABLE READ, a
+// broken connection), the transaction is rolled back and the change is applied with
+// AdjustAttempts afterwards, best effort.
+func (t *claimTx) Fail(ctx context.Context, p inbox.FailParams) (int, error) {
+	if t.ended {
+		return 0, nil
 	}
-	return nil
+	k := t.key
+	errText := nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))
+	attempts := int32(max(t.rec.Attempts+p.AttemptsDelta, 0))
+	committed := false
+	err := t.end(ctx, func(ctx context.Context) error {
+		b := &pgx.Batch{}
+		b.Queue("rollback to savepoint inbox_handler")
+		scan := func(row pgx.Row) error {
+			err := row.Scan(&attempts)
+			if errors.Is(err, pgx.ErrNoRows) {
+				attempts = 0
+				return nil
+			}
+			return err
+		}
+		switch {
+		case p.AttemptsDelta > 0:
+			b.Queue("INSERT INTO "+t.s.attempts+" AS a (message_id, consumer_name, attempts, last_error) VALUES ($1, $2, $3, $4)"+
+				" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + EXCLUDED.attempts,"+
+				" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now() RETURNING a.attempts",
+				k.MessageID, k.ConsumerName, p.AttemptsDelta, errText).QueryRow(scan)
+		case p.AttemptsDelta < 0 || errText != nil:
+			b.Queue("UPDATE "+t.s.attempts+" SET attempts = greatest(attempts + $3, 0), last_error = coalesce($4, last_error)"+
+				" WHERE message_id = $1 AND consumer_name = $2 RETURNING attempts",
+				k.MessageID, k.ConsumerName, p.AttemptsDelta, errText).QueryRow(scan)
+			b.Queue("DELETE FROM "+t.s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
+				" AND attempts = 0 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
+		}
+		b.Queue("DELETE FROM "+t.s.table+" WHERE message_id = $1 AND consumer_name = $2", k.MessageID, k.ConsumerName)
+		b.Queue("commit").Exec(func(ct pgconn.CommandTag) error {
+			committed = ct.String() == "COMMIT"
+			return nil
+		})
+		err := t.conn.Conn().SendBatch(ctx, b).Close()
+		if err == nil && !committed {
+			err = errors.New("commit answered ROLLBACK")
+		}
+		if err != nil {
+			_, _ = t.conn.Exec(ctx, "rollback")
+		}
+		return err
+	})
+	if err == nil {
+		return int(attempts), nil
+	}
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
+	defer cancel()
+	got, aerr := t.s.AdjustAttempts(actx, inbox.AttemptParams{Key: k, AttemptsDelta: p.AttemptsDelta, Error: p.Error})
+	if aerr != nil {
+		return 0, fmt.Errorf("record the failure: %w (then: %w)", err, aerr)
+	}
+	return got, nil
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -139,8 +140,8 @@ func TestClaimStoresMetadata(t *testing.T) {
 	s, sch := newStore(t, 2)
 	ctx := context.Background()
 	hash := []byte("0123456789abcdef0123456789abcdef")
-	tx, claimed, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{
-		MessageID: "m-meta", ConsumerName: "billing", MessageType: "PaymentReceived", CorrelationID: "corr-9", PayloadHash: hash,
+	tx, claimed, err := s.Claim(ctx, inbox.ClaimParams{
+		Key: inbox.Key{MessageID: "m-meta", ConsumerName: "billing"}, MessageType: "PaymentReceived", CorrelationID: "corr-9", PayloadHash: hash,
 	})
 	if err != nil || !claimed.Claimed {
 		t.Fatalf("claim: claimed=%v err=%v", claimed, err)
@@ -148,7 +149,7 @@ func TestClaimStoresMetadata(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	tx2, _, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{MessageID: "m-bare", ConsumerName: "billing"})
+	tx2, _, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "m-bare", ConsumerName: "billing"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +182,7 @@ func TestTxFromContextIsTheClaimTransaction(t *testing.T) {
 	if _, err := sch.Pool.Exec(ctx, "CREATE TABLE effects (id text PRIMARY KEY)"); err != nil {
 		t.Fatal(err)
 	}
-	tx, _, err := s.BeginClaim(ctx, inbox.TxOptions{}, inbox.Claim{MessageID: "m-tx", ConsumerName: "c"})
+	tx, _, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "m-tx", ConsumerName: "c"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,11 +203,77 @@ func TestTxFromContextIsTheClaimTransaction(t *testing.T) {
 	}
 }
 
-func TestUnsupportedIsolationLevel(t *testing.T) {
-	s, _ := newStore(t, 1)
-	_, _, err := s.BeginClaim(context.Background(), inbox.TxOptions{Isolation: 7 /* sql.LevelLinearizable */}, inbox.Claim{MessageID: "m", ConsumerName: "c"})
-	if !errors.Is(err, inbox.ErrInvalidConfig) {
-		t.Fatalf("err = %v, want ErrInvalidConfig", err)
+// TestLockTimeoutEndsTheWait: Config.LockTimeout bounds a concurrent duplicate's wait behind
+// an uncommitted claim (SQLSTATE 55P03), for plain and counted claims alike, and the expired
+// wait is not Retryable (an in-process retry would hold the connection again).
+func TestLockTimeoutEndsTheWait(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	sch.Store(t) // migrated
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, LockTimeout: 150 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := inbox.ClaimParams{Key: inbox.Key{MessageID: "m-slow", ConsumerName: "c"}}
+	first, res, err := s.Claim(context.Background(), p)
+	if err != nil || !res.Claimed {
+		t.Fatalf("first claim: %v %+v", err, res)
+	}
+	defer first.Rollback(context.Background())
+	for _, countFirst := range []bool{false, true} {
+		start := time.Now()
+		tx, _, err := s.ClaimCounted(context.Background(), inbox.CountedClaimParams{ClaimParams: p, CountFirst: countFirst})
+		if err == nil {
+			_ = tx.Rollback(context.Background())
+			t.Fatal("a claim behind an uncommitted claim did not time out")
+		}
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+			t.Fatalf("error = %v, want SQLSTATE 55P03", err)
+		}
+		if waited := time.Since(start); waited > 5*time.Second {
+			t.Fatalf("the lock wait took %v with a 150ms lock timeout", waited)
+		}
+		if s.Retryable(err) {
+			t.Fatalf("lock timeout reported as Retryable: %v", err)
+		}
+	}
+	var rows int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("attempt rows after timed-out counted claims = %d (%v), want 0: a claim that never happened takes its count back", rows, err)
+	}
+}
+
+// TestAdvisoryLockReleasedWithTheConnection: a counted claim's key lock is released when its
+// transaction ends, so the connection goes back to the pool holding no lock.
+func TestAdvisoryLockReleasedWithTheConnection(t *testing.T) {
+	sch := testenv.NewSchema(t, 1)
+	s := sch.Store(t)
+	ctx := context.Background()
+	for _, end := range []string{"commit", "rollback", "fail"} {
+		id := "m-lock-" + end
+		tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "c"}}, CountFirst: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch end {
+		case "commit":
+			err = tx.Commit(ctx)
+		case "rollback":
+			err = tx.Rollback(ctx)
+		default:
+			_, err = tx.Fail(ctx, inbox.FailParams{Error: "boom"})
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		var locks int
+		// The pool has one connection: this query runs on the connection the claim used.
+		if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").Scan(&locks); err != nil {
+			t.Fatal(err)
+		}
+		if locks != 0 {
+			t.Fatalf("after %s the connection still holds %d advisory locks", end, locks)
+		}
 	}
 }
 

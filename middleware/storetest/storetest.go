@@ -1,6 +1,7 @@
-// Package storetest is the conformance suite every inbox Store must pass. The inbox's
-// guarantee lives in the store (its unique key and its transactions), so the suite runs against
-// a real database, never a mock:
+// Package storetest is the conformance suite every inbox Store must pass, and MemStore, the
+// in-memory reference store that passes it. The inbox's guarantee lives in the store (its
+// unique key and its transactions), so a database store runs the suite against the real
+// database, never a mock:
 //
 //	func TestConformance(t *testing.T) {
 //		storetest.Run(t, func(t *testing.T) inbox.Store {
@@ -11,7 +12,8 @@
 //	}
 //
 // NewStore must return a store on empty, migrated storage for each call, and its pool must
-// allow at least 4 concurrent connections.
+// allow at least 8 concurrent connections. Stores that implement inbox.AttemptStore or
+// inbox.Purger also run those capabilities' tests.
 package storetest
 
 import (
@@ -19,6 +21,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -29,14 +32,16 @@ import (
 // the same key before the suite releases it.
 const blockWindow = 300 * time.Millisecond
 
-// Run runs every conformance test as a subtest of t.
+type testCase struct {
+	name string
+	fn   func(t *testing.T, s inbox.Store)
+}
+
+// Run runs every conformance test as a subtest of t, each on a new store.
 func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
-	tests := []struct {
-		name string
-		fn   func(t *testing.T, s inbox.Store)
-	}{
+	core := []testCase{
 		{"FirstClaimWins", testFirstClaimWins},
-		{"DuplicateLeavesTransactionUsable", testDuplicateLeavesTransactionUsable},
+		{"DuplicateEndsItsTransaction", testDuplicateEndsItsTransaction},
 		{"RollbackLeavesNoMark", testRollbackLeavesNoMark},
 		{"ConsumerNamesAreIndependent", testConsumerNamesAreIndependent},
 		{"ConcurrentClaimWaitsThenSeesDuplicate", testConcurrentClaimWaitsThenSeesDuplicate},
@@ -46,22 +51,49 @@ func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 		{"CancelledContextLeavesNothingOpen", testCancelledContextLeavesNothingOpen},
 		{"RetryableRejectsOrdinaryErrors", testRetryableRejectsOrdinaryErrors},
 		{"DuplicateReportsStoredPayloadHash", testDuplicateReportsStoredPayloadHash},
-		{"AttemptsSurviveRollbacks", testAttemptsSurviveRollbacks},
-		{"CommitClearsAttempts", testCommitClearsAttempts},
-		{"DeadLetteredUntilReplay", testDeadLetteredUntilReplay},
-		{"RecordFailureAcceptsAnyText", testRecordFailureAcceptsAnyText},
-		{"ConcurrentCountedClaims", testConcurrentCountedClaims},
-		{"LockTimeoutEndsTheWait", testLockTimeoutEndsTheWait},
+		{"UnsupportedIsolationRefused", testUnsupportedIsolationRefused},
 	}
-	for _, tc := range tests {
+	attempts := []struct {
+		name string
+		fn   func(t *testing.T, s inbox.AttemptStore)
+	}{
+		{"CountSurvivesRollbacks", testCountSurvivesRollbacks},
+		{"CommitClearsTheRecord", testCommitClearsTheRecord},
+		{"DuplicateTakesItsCountBack", testDuplicateTakesItsCountBack},
+		{"FailRecordsBeforeReleasingTheClaim", testFailRecordsBeforeReleasingTheClaim},
+		{"FailCanTakeTheCountBack", testFailCanTakeTheCountBack},
+		{"CountedCopiesDoNotInflate", testCountedCopiesDoNotInflate},
+		{"CountedCopiesAfterAFailure", testCountedCopiesAfterAFailure},
+		{"DeadLetteredUntilReplay", testDeadLetteredUntilReplay},
+		{"AdjustAttempts", testAdjustAttempts},
+	}
+	for _, tc := range core {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, newStore(t)) })
 	}
+	for _, tc := range attempts {
+		t.Run("Attempts/"+tc.name, func(t *testing.T) {
+			as, ok := newStore(t).(inbox.AttemptStore)
+			if !ok {
+				t.Skip("the store does not implement inbox.AttemptStore")
+			}
+			tc.fn(t, as)
+		})
+	}
+	t.Run("Purger/PurgeDeletesOnlyOldRows", func(t *testing.T) {
+		s := newStore(t)
+		if _, ok := s.(inbox.Purger); !ok {
+			t.Skip("the store does not implement inbox.Purger")
+		}
+		testPurge(t, s)
+	})
 }
 
-var rc = inbox.TxOptions{Isolation: sql.LevelReadCommitted}
-
-func claim(id string) inbox.Claim {
-	return inbox.Claim{MessageID: id, ConsumerName: "conformance", MessageType: "Test", CorrelationID: "corr-1", PayloadHash: make([]byte, 32)}
+func params(id string) inbox.ClaimParams {
+	return inbox.ClaimParams{
+		Key:         inbox.Key{MessageID: id, ConsumerName: "conformance"},
+		Isolation:   sql.LevelReadCommitted,
+		MessageType: "Test", CorrelationID: "corr-1", PayloadHash: make([]byte, 32),
+	}
 }
 
 func ctxT(t *testing.T) context.Context {
@@ -70,63 +102,63 @@ func ctxT(t *testing.T) context.Context {
 	return ctx
 }
 
-// mustClaim claims c in a new transaction and returns it with the claim result.
-func mustClaim(t *testing.T, s inbox.Store, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, bool) {
+// mustClaim claims p and returns the transaction (nil for a duplicate) and the result.
+func mustClaim(t *testing.T, s inbox.Store, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult) {
 	t.Helper()
-	tx, res := mustClaimResult(t, s, opts, c)
-	return tx, res.Claimed
-}
-
-func mustClaimResult(t *testing.T, s inbox.Store, opts inbox.TxOptions, c inbox.Claim) (inbox.Tx, inbox.ClaimResult) {
-	t.Helper()
-	tx, res, err := s.BeginClaim(ctxT(t), opts, c)
+	tx, res, err := s.Claim(ctxT(t), p)
 	if err != nil {
-		t.Fatalf("BeginClaim(%q, %q): %v", c.MessageID, c.ConsumerName, err)
+		t.Fatalf("Claim(%q, %q): %v", p.Key.MessageID, p.Key.ConsumerName, err)
 	}
-	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if res.Claimed != (tx != nil) {
+		t.Fatalf("Claim(%q): claimed=%v but tx=%v; a new claim returns a Tx, a duplicate none", p.Key.MessageID, res.Claimed, tx)
+	}
+	if tx != nil {
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	}
 	return tx, res
 }
 
-// committedClaim claims and commits c, returning whether the claim was new.
-func committedClaim(t *testing.T, s inbox.Store, c inbox.Claim) bool {
+// committedClaim claims and commits p, returning whether the claim was new.
+func committedClaim(t *testing.T, s inbox.Store, p inbox.ClaimParams) bool {
 	t.Helper()
-	tx, claimed := mustClaim(t, s, rc, c)
-	if err := tx.Commit(ctxT(t)); err != nil {
-		t.Fatalf("Commit after claim of %q (claimed=%v): %v", c.MessageID, claimed, err)
+	tx, res := mustClaim(t, s, p)
+	if tx == nil {
+		return false
 	}
-	return claimed
+	if err := tx.Commit(ctxT(t)); err != nil {
+		t.Fatalf("Commit after claim of %q: %v", p.Key.MessageID, err)
+	}
+	return res.Claimed
 }
 
 func testFirstClaimWins(t *testing.T, s inbox.Store) {
-	if !committedClaim(t, s, claim("m-1")) {
+	if !committedClaim(t, s, params("m-1")) {
 		t.Fatal("first claim of m-1 reported a duplicate on empty storage")
 	}
 	for i := range 3 {
-		if committedClaim(t, s, claim("m-1")) {
+		if committedClaim(t, s, params("m-1")) {
 			t.Fatalf("claim %d of committed m-1 was accepted again", i+2)
 		}
 	}
 }
 
-func testDuplicateLeavesTransactionUsable(t *testing.T, s inbox.Store) {
-	committedClaim(t, s, claim("m-dup"))
-	tx, claimed := mustClaim(t, s, rc, claim("m-dup"))
-	if claimed {
-		t.Fatal("duplicate claim accepted")
+func testDuplicateEndsItsTransaction(t *testing.T, s inbox.Store) {
+	committedClaim(t, s, params("m-dup"))
+	// Many duplicates in a row: each must end its own transaction (release its connection),
+	// or a store with a bounded pool runs out.
+	for range 20 {
+		if tx, res := mustClaim(t, s, params("m-dup")); tx != nil || res.Claimed {
+			t.Fatal("duplicate claim accepted")
+		}
 	}
-	// A caught unique violation would abort the transaction (SQLSTATE 25P02 on the next
-	// statement, ROLLBACK on COMMIT); a duplicate must leave it committable.
-	if err := tx.Commit(ctxT(t)); err != nil {
-		t.Fatalf("Commit after a duplicate claim: %v (the duplicate aborted the transaction)", err)
-	}
-	if !committedClaim(t, s, claim("m-after-dup")) {
-		t.Fatal("claim after a duplicate was refused")
+	if !committedClaim(t, s, params("m-after-dup")) {
+		t.Fatal("claim after duplicates was refused")
 	}
 }
 
 func testRollbackLeavesNoMark(t *testing.T, s inbox.Store) {
-	tx, claimed := mustClaim(t, s, rc, claim("m-rb"))
-	if !claimed {
+	tx, res := mustClaim(t, s, params("m-rb"))
+	if !res.Claimed {
 		t.Fatal("first claim refused")
 	}
 	if err := tx.Rollback(ctxT(t)); err != nil {
@@ -135,35 +167,37 @@ func testRollbackLeavesNoMark(t *testing.T, s inbox.Store) {
 	if err := tx.Rollback(ctxT(t)); err != nil {
 		t.Fatalf("second Rollback must be a no-op, got %v", err)
 	}
-	if !committedClaim(t, s, claim("m-rb")) {
+	if !committedClaim(t, s, params("m-rb")) {
 		t.Fatal("a rolled-back claim left a processed mark: the redelivery was treated as a duplicate")
 	}
 }
 
 func testConsumerNamesAreIndependent(t *testing.T, s inbox.Store) {
-	a := claim("m-shared")
-	a.ConsumerName = "billing"
-	b := claim("m-shared")
-	b.ConsumerName = "notifications"
-	txA, okA := mustClaim(t, s, rc, a)
-	// B must not wait on A's uncommitted row: a different consumer is a different key.
+	a := params("m-shared")
+	a.Key.ConsumerName = "billing"
+	b := params("m-shared")
+	b.Key.ConsumerName = "notifications"
+	txA, resA := mustClaim(t, s, a)
+	// B must not wait on A's uncommitted claim: a different consumer is a different key.
 	done := make(chan bool, 1)
 	go func() {
-		tx, ok, err := s.BeginClaim(ctxT(t), rc, b)
+		tx, res, err := s.Claim(ctxT(t), b)
 		if err != nil {
 			t.Errorf("claim for second consumer: %v", err)
 			done <- false
 			return
 		}
-		if err := tx.Commit(context.Background()); err != nil {
-			t.Errorf("commit for second consumer: %v", err)
+		if tx != nil {
+			if err := tx.Commit(context.Background()); err != nil {
+				t.Errorf("commit for second consumer: %v", err)
+			}
 		}
-		done <- ok.Claimed
+		done <- res.Claimed
 	}()
 	select {
 	case okB := <-done:
-		if !okA || !okB {
-			t.Fatalf("claims for two consumers of one message: billing=%v notifications=%v, want both true", okA, okB)
+		if !resA.Claimed || !okB {
+			t.Fatalf("claims for two consumers of one message: billing=%v notifications=%v, want both true", resA.Claimed, okB)
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("a claim for another consumer blocked on an uncommitted claim of the same message ID")
@@ -176,51 +210,65 @@ func testConsumerNamesAreIndependent(t *testing.T, s inbox.Store) {
 	}
 }
 
-type claimResult struct {
-	tx      inbox.Tx
-	claimed bool
-	err     error
+type claimOutcome struct {
+	tx  inbox.Tx
+	res inbox.ClaimResult
+	rec inbox.AttemptRecord
+	err error
 }
 
-// claimInBackground starts a claim of c and returns its result channel.
-func claimInBackground(t *testing.T, s inbox.Store, opts inbox.TxOptions, c inbox.Claim) <-chan claimResult {
-	ch := make(chan claimResult, 1)
+// claimInBackground starts a claim of p and returns its result channel.
+func claimInBackground(t *testing.T, s inbox.Store, p inbox.ClaimParams) <-chan claimOutcome {
+	ch := make(chan claimOutcome, 1)
 	go func() {
-		tx, res, err := s.BeginClaim(ctxT(t), opts, c)
-		ch <- claimResult{tx, res.Claimed, err}
+		tx, res, err := s.Claim(ctxT(t), p)
+		ch <- claimOutcome{tx: tx, res: res, err: err}
 	}()
 	return ch
 }
 
-func expectBlocked(t *testing.T, ch <-chan claimResult) {
+func countedInBackground(t *testing.T, s inbox.AttemptStore, p inbox.ClaimParams, first bool) <-chan claimOutcome {
+	ch := make(chan claimOutcome, 1)
+	go func() {
+		tx, res, err := s.ClaimCounted(ctxT(t), inbox.CountedClaimParams{ClaimParams: p, CountFirst: first})
+		o := claimOutcome{res: res.ClaimResult, rec: res.Record, err: err}
+		if tx != nil {
+			o.tx = tx
+		}
+		ch <- o
+	}()
+	return ch
+}
+
+func expectBlocked(t *testing.T, ch <-chan claimOutcome) {
 	t.Helper()
 	select {
 	case r := <-ch:
-		t.Fatalf("a concurrent claim of an uncommitted key returned at once (claimed=%v err=%v); it must wait on the first transaction", r.claimed, r.err)
+		t.Fatalf("a concurrent claim of an uncommitted key returned at once (claimed=%v err=%v); it must wait on the first transaction", r.res.Claimed, r.err)
 	case <-time.After(blockWindow):
 	}
 }
 
-func expectResult(t *testing.T, ch <-chan claimResult) claimResult {
+func expectResult(t *testing.T, ch <-chan claimOutcome) claimOutcome {
 	t.Helper()
 	select {
 	case r := <-ch:
-		if r.err == nil {
+		if r.tx != nil {
 			t.Cleanup(func() { _ = r.tx.Rollback(context.Background()) })
 		}
 		return r
 	case <-time.After(10 * time.Second):
 		t.Fatal("a blocked claim did not return after the first transaction ended")
-		return claimResult{}
+		return claimOutcome{}
 	}
 }
 
 func testConcurrentClaimWaitsThenSeesDuplicate(t *testing.T, s inbox.Store) {
-	first, ok := mustClaim(t, s, rc, claim("m-race"))
-	if !ok {
+	first, res := mustClaim(t, s, params("m-race"))
+	if !res.Claimed {
 		t.Fatal("first claim refused")
 	}
-	second := claimInBackground(t, s, rc, claim("m-race"))
+	second := claimInBackground(t, s, params("m-race"))
 	expectBlocked(t, second)
 	if err := first.Commit(ctxT(t)); err != nil {
 		t.Fatal(err)
@@ -229,46 +277,42 @@ func testConcurrentClaimWaitsThenSeesDuplicate(t *testing.T, s inbox.Store) {
 	if r.err != nil {
 		t.Fatalf("blocked claim ended with an error after the first committed: %v (want a duplicate, not a unique violation)", r.err)
 	}
-	if r.claimed {
+	if r.res.Claimed || r.tx != nil {
 		t.Fatal("both concurrent claims of one key were accepted")
-	}
-	if err := r.tx.Commit(ctxT(t)); err != nil {
-		t.Fatalf("commit of the losing (duplicate) transaction: %v", err)
 	}
 }
 
 func testConcurrentClaimProceedsAfterRollback(t *testing.T, s inbox.Store) {
-	first, ok := mustClaim(t, s, rc, claim("m-race-rb"))
-	if !ok {
+	first, res := mustClaim(t, s, params("m-race-rb"))
+	if !res.Claimed {
 		t.Fatal("first claim refused")
 	}
-	second := claimInBackground(t, s, rc, claim("m-race-rb"))
+	second := claimInBackground(t, s, params("m-race-rb"))
 	expectBlocked(t, second)
 	if err := first.Rollback(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
 	r := expectResult(t, second)
-	if r.err != nil || !r.claimed {
-		t.Fatalf("after the first claim rolled back the waiting claim got claimed=%v err=%v, want claimed", r.claimed, r.err)
+	if r.err != nil || !r.res.Claimed {
+		t.Fatalf("after the first claim rolled back the waiting claim got claimed=%v err=%v, want claimed", r.res.Claimed, r.err)
 	}
 	if err := r.tx.Commit(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	if committedClaim(t, s, claim("m-race-rb")) {
+	if committedClaim(t, s, params("m-race-rb")) {
 		t.Fatal("claim accepted again after the second transaction committed")
 	}
 }
 
 func testDistinctKeysDoNotBlock(t *testing.T, s inbox.Store) {
-	_, ok := mustClaim(t, s, rc, claim("m-a"))
-	if !ok {
+	if _, res := mustClaim(t, s, params("m-a")); !res.Claimed {
 		t.Fatal("claim refused")
 	}
-	r := claimInBackground(t, s, rc, claim("m-b"))
+	r := claimInBackground(t, s, params("m-b"))
 	select {
 	case res := <-r:
-		if res.err != nil || !res.claimed {
-			t.Fatalf("claim of another key: claimed=%v err=%v", res.claimed, res.err)
+		if res.err != nil || !res.res.Claimed {
+			t.Fatalf("claim of another key: claimed=%v err=%v", res.res.Claimed, res.err)
 		}
 		_ = res.tx.Rollback(context.Background())
 	case <-time.After(5 * time.Second):
@@ -277,12 +321,13 @@ func testDistinctKeysDoNotBlock(t *testing.T, s inbox.Store) {
 }
 
 func testRepeatableReadConflictIsRetryable(t *testing.T, s inbox.Store) {
-	rr := inbox.TxOptions{Isolation: sql.LevelRepeatableRead}
-	first, ok := mustClaim(t, s, rr, claim("m-rr"))
-	if !ok {
+	rr := params("m-rr")
+	rr.Isolation = sql.LevelRepeatableRead
+	first, res := mustClaim(t, s, rr)
+	if !res.Claimed {
 		t.Fatal("first claim refused")
 	}
-	second := claimInBackground(t, s, rr, claim("m-rr"))
+	second := claimInBackground(t, s, rr)
 	expectBlocked(t, second)
 	if err := first.Commit(ctxT(t)); err != nil {
 		t.Fatal(err)
@@ -292,14 +337,13 @@ func testRepeatableReadConflictIsRetryable(t *testing.T, s inbox.Store) {
 	case r.err != nil && s.Retryable(r.err):
 		// The conflicting row was committed after this transaction's snapshot: a
 		// serialization failure, to be retried as a whole.
-	case r.err == nil && !r.claimed:
+	case r.err == nil && !r.res.Claimed:
 		// Also acceptable: the store resolved it as a duplicate.
-		_ = r.tx.Rollback(context.Background())
 	default:
-		t.Fatalf("concurrent REPEATABLE READ claim: claimed=%v err=%v retryable=%v; want a retryable error or a duplicate", r.claimed, r.err, r.err != nil && s.Retryable(r.err))
+		t.Fatalf("concurrent REPEATABLE READ claim: claimed=%v err=%v retryable=%v; want a retryable error or a duplicate", r.res.Claimed, r.err, r.err != nil && s.Retryable(r.err))
 	}
 	// The retry in a fresh transaction sees the committed row.
-	if committedClaim(t, s, claim("m-rr")) {
+	if committedClaim(t, s, rr) {
 		t.Fatal("retry of the REPEATABLE READ conflict was accepted as new")
 	}
 }
@@ -307,11 +351,13 @@ func testRepeatableReadConflictIsRetryable(t *testing.T, s inbox.Store) {
 func testCancelledContextLeavesNothingOpen(t *testing.T, s inbox.Store) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if tx, _, err := s.BeginClaim(ctx, rc, claim("m-cancel")); err == nil {
-		_ = tx.Rollback(context.Background())
-		t.Fatal("BeginClaim with a cancelled context succeeded")
+	if tx, _, err := s.Claim(ctx, params("m-cancel")); err == nil {
+		if tx != nil {
+			_ = tx.Rollback(context.Background())
+		}
+		t.Fatal("Claim with a cancelled context succeeded")
 	}
-	if !committedClaim(t, s, claim("m-cancel")) {
+	if !committedClaim(t, s, params("m-cancel")) {
 		t.Fatal("a claim attempted with a cancelled context left a mark")
 	}
 }
@@ -324,173 +370,301 @@ func testRetryableRejectsOrdinaryErrors(t *testing.T, s inbox.Store) {
 	}
 }
 
-var counted = inbox.TxOptions{Isolation: sql.LevelReadCommitted, CountAttempt: true}
-
 func testDuplicateReportsStoredPayloadHash(t *testing.T, s inbox.Store) {
-	c := claim("m-hash")
-	c.PayloadHash = []byte("0123456789abcdef0123456789abcdef")
-	committedClaim(t, s, c)
-	other := claim("m-hash")
+	p := params("m-hash")
+	p.PayloadHash = []byte("0123456789abcdef0123456789abcdef")
+	committedClaim(t, s, p)
+	other := params("m-hash")
 	other.PayloadHash = []byte("ffffffffffffffffffffffffffffffff")
-	tx, res := mustClaimResult(t, s, rc, other)
-	if res.Claimed || string(res.StoredPayloadHash) != string(c.PayloadHash) {
-		t.Fatalf("duplicate: claimed=%v stored hash=%x, want the first claim's hash %x", res.Claimed, res.StoredPayloadHash, c.PayloadHash)
+	_, res := mustClaim(t, s, other)
+	if res.Claimed || string(res.StoredPayloadHash) != string(p.PayloadHash) {
+		t.Fatalf("duplicate: claimed=%v stored hash=%x, want the first claim's hash %x", res.Claimed, res.StoredPayloadHash, p.PayloadHash)
 	}
-	_ = tx.Rollback(ctxT(t))
-	tx, res = mustClaimResult(t, s, rc, claim("m-new-hash"))
+	tx, res := mustClaim(t, s, params("m-new-hash"))
 	if !res.Claimed || res.StoredPayloadHash != nil {
 		t.Fatalf("new claim: %+v, want claimed without a stored hash", res)
 	}
 	_ = tx.Rollback(ctxT(t))
 }
 
-func testAttemptsSurviveRollbacks(t *testing.T, s inbox.Store) {
+func testUnsupportedIsolationRefused(t *testing.T, s inbox.Store) {
+	p := params("m-iso")
+	p.Isolation = sql.LevelLinearizable
+	if tx, _, err := s.Claim(ctxT(t), p); !errors.Is(err, inbox.ErrInvalidConfig) {
+		if tx != nil {
+			_ = tx.Rollback(context.Background())
+		}
+		t.Fatalf("Claim at LINEARIZABLE: %v, want ErrInvalidConfig", err)
+	}
+}
+
+// counted claims p with ClaimCounted and fails the test on error.
+func counted(t *testing.T, s inbox.AttemptStore, p inbox.ClaimParams, first bool) (inbox.CountedTx, inbox.CountedClaimResult) {
+	t.Helper()
+	tx, res, err := s.ClaimCounted(ctxT(t), inbox.CountedClaimParams{ClaimParams: p, CountFirst: first})
+	if err != nil {
+		t.Fatalf("ClaimCounted(%q): %v", p.Key.MessageID, err)
+	}
+	if tx != nil {
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	}
+	return tx, res
+}
+
+// attemptsOf reads the key's attempt count (AdjustAttempts with delta 0).
+func attemptsOf(t *testing.T, s inbox.AttemptStore, id string) int {
+	t.Helper()
+	n, err := s.AdjustAttempts(ctxT(t), inbox.AttemptParams{Key: params(id).Key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func testCountSurvivesRollbacks(t *testing.T, s inbox.AttemptStore) {
 	for want := 1; want <= 3; want++ {
-		tx, res := mustClaimResult(t, s, counted, claim("m-poison"))
-		if !res.Claimed || res.Attempt != want || res.DeadLettered {
-			t.Fatalf("delivery %d: %+v, want claimed, attempt %d (the count must survive the rollback)", want, res, want)
+		tx, res := counted(t, s, params("m-poison"), true)
+		if !res.Claimed || !res.Counted || res.Record.Attempts != want || res.Record.DeadLettered {
+			t.Fatalf("delivery %d: %+v, want claimed, counted, attempts %d (the count must survive the rollback)", want, res, want)
 		}
 		if err := tx.Rollback(ctxT(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	// An uncounted claim (an in-process retry) does not count.
-	tx, res := mustClaimResult(t, s, rc, claim("m-poison"))
-	if res.Attempt != 0 {
-		t.Fatalf("uncounted claim reported attempt %d", res.Attempt)
+	// A claim that does not count first leaves the count as it is.
+	tx, res := counted(t, s, params("m-poison"), false)
+	if res.Counted || res.Record.Attempts != 3 {
+		t.Fatalf("uncounted claim: %+v, want attempts 3 and not counted", res)
 	}
 	_ = tx.Rollback(ctxT(t))
-	tx, res = mustClaimResult(t, s, counted, claim("m-poison"))
-	if res.Attempt != 4 {
-		t.Fatalf("attempt = %d, want 4", res.Attempt)
+	if n := attemptsOf(t, s, "m-poison"); n != 3 {
+		t.Fatalf("attempts after rollbacks = %d, want 3", n)
 	}
-	_ = tx.Rollback(ctxT(t))
 }
 
-func testCommitClearsAttempts(t *testing.T, s inbox.Store) {
+func testCommitClearsTheRecord(t *testing.T, s inbox.AttemptStore) {
 	for range 2 {
-		tx, _ := mustClaimResult(t, s, counted, claim("m-ok"))
+		tx, _ := counted(t, s, params("m-ok"), true)
 		_ = tx.Rollback(ctxT(t))
 	}
-	tx, res := mustClaimResult(t, s, counted, claim("m-ok"))
-	if res.Attempt != 3 {
-		t.Fatalf("attempt = %d, want 3", res.Attempt)
+	tx, res := counted(t, s, params("m-ok"), true)
+	if res.Record.Attempts != 3 {
+		t.Fatalf("attempts = %d, want 3", res.Record.Attempts)
 	}
 	if err := tx.Commit(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	// A later duplicate starts a fresh count, and committing the duplicate's transaction
-	// clears it again: a processed message leaves no attempt record behind.
-	for range 2 {
-		tx, res = mustClaimResult(t, s, counted, claim("m-ok"))
-		if res.Claimed || res.Attempt != 1 {
-			t.Fatalf("duplicate after success: %+v, want a duplicate at attempt 1", res)
-		}
-		if err := tx.Commit(ctxT(t)); err != nil {
-			t.Fatal(err)
-		}
+	if n := attemptsOf(t, s, "m-ok"); n != 0 {
+		t.Fatalf("a processed message keeps an attempt record of %d", n)
 	}
 }
 
-func testDeadLetteredUntilReplay(t *testing.T, s inbox.Store) {
-	ctx := ctxT(t)
-	tx, _ := mustClaimResult(t, s, counted, claim("m-dead"))
-	_ = tx.Rollback(ctx)
-	if replayed, err := s.Replay(ctx, "m-dead", "conformance"); err != nil || replayed {
-		t.Fatalf("Replay of a key that is not dead-lettered = %v, %v; want false", replayed, err)
+func testDuplicateTakesItsCountBack(t *testing.T, s inbox.AttemptStore) {
+	committedClaim(t, s, params("m-done"))
+	for range 3 {
+		tx, res := counted(t, s, params("m-done"), true)
+		if tx != nil || res.Claimed {
+			t.Fatal("a processed key was claimed again")
+		}
 	}
-	if err := s.MarkDeadLettered(ctx, "m-dead", "conformance", "failed 1 of 1 attempts"); err != nil {
+	if n := attemptsOf(t, s, "m-done"); n != 0 {
+		t.Fatalf("duplicates left an attempt record of %d", n)
+	}
+	if n, err := s.AdjustAttempts(ctxT(t), inbox.AttemptParams{Key: params("m-done").Key, AttemptsDelta: 1, Error: "late"}); err != nil || n != 0 {
+		t.Fatalf("AdjustAttempts(+1) on a processed key = %d, %v; want 0: no record for a processed message", n, err)
+	}
+}
+
+func testFailRecordsBeforeReleasingTheClaim(t *testing.T, s inbox.AttemptStore) {
+	tx, res := counted(t, s, params("m-fail"), false)
+	if !res.Claimed || res.Counted {
+		t.Fatalf("%+v", res)
+	}
+	copyCh := countedInBackground(t, s, params("m-fail"), false)
+	expectBlocked(t, copyCh)
+	n, err := tx.Fail(ctxT(t), inbox.FailParams{AttemptsDelta: 1, Error: "boom"})
+	if err != nil || n != 1 {
+		t.Fatalf("Fail = %d, %v; want 1", n, err)
+	}
+	r := expectResult(t, copyCh)
+	if r.err != nil || !r.res.Claimed || r.rec.Attempts != 1 || r.rec.LastError != "boom" {
+		t.Fatalf("the copy waiting on the claim: %+v err=%v, want claimed with attempts 1 and last error boom", r.rec, r.err)
+	}
+	// The copy fails too, with the count it read: 2.
+	n, err = r.tx.(inbox.CountedTx).Fail(ctxT(t), inbox.FailParams{AttemptsDelta: 1, Error: "boom again"})
+	if err != nil || n != 2 {
+		t.Fatalf("second Fail = %d, %v; want 2", n, err)
+	}
+	if !committedClaim(t, s, params("m-fail")) {
+		t.Fatal("Fail left the claim committed: the message counts as processed")
+	}
+}
+
+func testFailCanTakeTheCountBack(t *testing.T, s inbox.AttemptStore) {
+	tx, res := counted(t, s, params("m-abandon"), true)
+	if !res.Counted || res.Record.Attempts != 1 {
+		t.Fatalf("%+v", res)
+	}
+	if n, err := tx.Fail(ctxT(t), inbox.FailParams{AttemptsDelta: -1}); err != nil || n != 0 {
+		t.Fatalf("Fail(-1) = %d, %v; want 0", n, err)
+	}
+	if n := attemptsOf(t, s, "m-abandon"); n != 0 {
+		t.Fatalf("attempts after taking the count back = %d, want 0", n)
+	}
+}
+
+func testCountedCopiesDoNotInflate(t *testing.T, s inbox.AttemptStore) {
+	first, res := counted(t, s, params("m-copies"), true)
+	if !res.Counted || res.Record.Attempts != 1 {
+		t.Fatalf("%+v", res)
+	}
+	var copies []<-chan claimOutcome
+	for range 5 {
+		copies = append(copies, countedInBackground(t, s, params("m-copies"), true))
+	}
+	for _, c := range copies {
+		expectBlocked(t, c)
+	}
+	if err := first.Commit(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	for range 2 {
-		tx, res := mustClaimResult(t, s, counted, claim("m-dead"))
-		if !res.DeadLettered {
-			t.Fatalf("after MarkDeadLettered: %+v, want DeadLettered", res)
-		}
-		if err := tx.Rollback(ctx); err != nil {
-			t.Fatal(err)
+	for _, c := range copies {
+		if r := expectResult(t, c); r.err != nil || r.res.Claimed {
+			t.Fatalf("copy after the commit: claimed=%v err=%v, want a duplicate", r.res.Claimed, r.err)
 		}
 	}
-	other := claim("m-dead")
-	other.ConsumerName = "other-consumer"
-	tx, res := mustClaimResult(t, s, counted, other)
-	if res.DeadLettered || res.Attempt != 1 {
+	if n := attemptsOf(t, s, "m-copies"); n != 0 {
+		t.Fatalf("copies waiting behind a successful delivery left %d attempts", n)
+	}
+}
+
+func testCountedCopiesAfterAFailure(t *testing.T, s inbox.AttemptStore) {
+	first, _ := counted(t, s, params("m-copies-fail"), true)
+	var copies []<-chan claimOutcome
+	for range 3 {
+		copies = append(copies, countedInBackground(t, s, params("m-copies-fail"), true))
+	}
+	for _, c := range copies {
+		expectBlocked(t, c)
+	}
+	if n, err := first.Fail(ctxT(t), inbox.FailParams{Error: "boom"}); err != nil || n != 1 {
+		t.Fatalf("Fail = %d, %v; want 1", n, err)
+	}
+	// Exactly one copy claims, counted once more; the others wait until it commits and then
+	// find a duplicate. Nothing counts a delivery that did not run the handler.
+	var winner claimOutcome
+	pending := copies
+	deadline := time.After(10 * time.Second)
+	for winner.tx == nil {
+		for i, c := range pending {
+			select {
+			case r := <-c:
+				if r.err != nil || !r.res.Claimed {
+					t.Fatalf("a copy after a failure: claimed=%v err=%v", r.res.Claimed, r.err)
+				}
+				winner = r
+				pending = append(pending[:i:i], pending[i+1:]...)
+			default:
+				continue
+			}
+			break
+		}
+		select {
+		case <-deadline:
+			t.Fatal("no copy claimed after the failure")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if winner.rec.Attempts != 2 || winner.rec.LastError != "boom" {
+		t.Fatalf("winning copy read %+v, want attempts 2 (the failure and itself) and last error boom", winner.rec)
+	}
+	if err := winner.tx.Commit(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range pending {
+		if r := expectResult(t, c); r.err != nil || r.res.Claimed {
+			t.Fatalf("copy after the commit: claimed=%v err=%v", r.res.Claimed, r.err)
+		}
+	}
+	if n := attemptsOf(t, s, "m-copies-fail"); n != 0 {
+		t.Fatalf("attempt record left after processing: %d", n)
+	}
+}
+
+func testDeadLetteredUntilReplay(t *testing.T, s inbox.AttemptStore) {
+	ctx := ctxT(t)
+	key := params("m-dead").Key
+	tx, _ := counted(t, s, params("m-dead"), true)
+	_ = tx.Rollback(ctx)
+	if replayed, err := s.Replay(ctx, inbox.AttemptParams{Key: key}); err != nil || replayed {
+		t.Fatalf("Replay of a key that is not dead-lettered = %v, %v; want false", replayed, err)
+	}
+	if err := s.MarkDeadLettered(ctx, inbox.AttemptParams{Key: key, Error: "failed 1 of 1 attempts"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, first := range []bool{true, false} {
+		tx, res := counted(t, s, params("m-dead"), first)
+		if tx != nil || res.Claimed || !res.Record.DeadLettered || res.Record.DeadLetterReason != "failed 1 of 1 attempts" {
+			t.Fatalf("after MarkDeadLettered: %+v, want not claimed, dead-lettered with its reason", res)
+		}
+	}
+	other := params("m-dead")
+	other.Key.ConsumerName = "other-consumer"
+	tx, res := counted(t, s, other, true)
+	if res.Record.DeadLettered || res.Record.Attempts != 1 || !res.Claimed {
 		t.Fatalf("another consumer of the same message: %+v, want a fresh attempt 1", res)
 	}
 	_ = tx.Rollback(ctx)
-	if replayed, err := s.Replay(ctx, "m-dead", "conformance"); err != nil || !replayed {
+	if replayed, err := s.Replay(ctx, inbox.AttemptParams{Key: key}); err != nil || !replayed {
 		t.Fatalf("Replay = %v, %v; want true", replayed, err)
 	}
-	tx, res = mustClaimResult(t, s, counted, claim("m-dead"))
-	if res.DeadLettered || res.Attempt != 1 || !res.Claimed {
+	tx, res = counted(t, s, params("m-dead"), true)
+	if res.Record.DeadLettered || res.Record.Attempts != 1 || !res.Claimed {
 		t.Fatalf("after Replay: %+v, want a fresh claim at attempt 1", res)
 	}
 	_ = tx.Rollback(ctx)
 	// A message dead-lettered on its first delivery, before any attempt was counted.
-	if err := s.MarkDeadLettered(ctx, "m-never-counted", "conformance", "permanent"); err != nil {
+	never := params("m-never-counted")
+	if err := s.MarkDeadLettered(ctx, inbox.AttemptParams{Key: never.Key, Error: "permanent"}); err != nil {
 		t.Fatal(err)
 	}
-	tx, res = mustClaimResult(t, s, counted, claim("m-never-counted"))
-	if !res.DeadLettered {
+	if _, res := counted(t, s, never, false); !res.Record.DeadLettered {
 		t.Fatalf("dead-lettered without attempts: %+v", res)
 	}
-	_ = tx.Rollback(ctx)
 }
 
-func testRecordFailureAcceptsAnyText(t *testing.T, s inbox.Store) {
-	tx, _ := mustClaimResult(t, s, counted, claim("m-err"))
-	_ = tx.Rollback(ctxT(t))
-	long := make([]byte, 100000)
-	for i := range long {
-		long[i] = 'e'
-	}
-	for _, text := range []string{"boom", string(long), "bad \xff utf8 \x00 nul", "é" + string(long)} {
-		if err := s.RecordFailure(ctxT(t), "m-err", "conformance", text); err != nil {
-			t.Fatalf("RecordFailure(%d bytes): %v", len(text), err)
+func testAdjustAttempts(t *testing.T, s inbox.AttemptStore) {
+	key := params("m-adj").Key
+	long := strings.Repeat("e", 100000)
+	for i, text := range []string{"boom", long, "bad \xff utf8 \x00 nul", "é" + long} {
+		n, err := s.AdjustAttempts(ctxT(t), inbox.AttemptParams{Key: key, AttemptsDelta: 1, Error: text})
+		if err != nil || n != i+1 {
+			t.Fatalf("AdjustAttempts(+1, %d bytes) = %d, %v; want %d", len(text), n, err, i+1)
 		}
 	}
-	// Recording a failure for a key without an attempt record is a no-op, not an error.
-	if err := s.RecordFailure(ctxT(t), "m-unknown", "conformance", "boom"); err != nil {
-		t.Fatal(err)
+	if n, err := s.AdjustAttempts(ctxT(t), inbox.AttemptParams{Key: key, AttemptsDelta: -10}); err != nil || n != 0 {
+		t.Fatalf("AdjustAttempts(-10) = %d, %v; want 0 (never negative)", n, err)
+	}
+	if n, err := s.AdjustAttempts(ctxT(t), inbox.AttemptParams{Key: params("m-unknown").Key, AttemptsDelta: -1}); err != nil || n != 0 {
+		t.Fatalf("AdjustAttempts(-1) of an unknown key = %d, %v; want 0 and no error", n, err)
 	}
 }
 
-func testConcurrentCountedClaims(t *testing.T, s inbox.Store) {
-	first, res := mustClaimResult(t, s, counted, claim("m-race-counted"))
-	if !res.Claimed || res.Attempt != 1 {
-		t.Fatalf("first: %+v", res)
+func testPurge(t *testing.T, s inbox.Store) {
+	p := s.(inbox.Purger)
+	for i := range 7 {
+		committedClaim(t, s, params(fmt.Sprintf("m-purge-%d", i)))
 	}
-	second := claimInBackground(t, s, counted, claim("m-race-counted"))
-	expectBlocked(t, second)
-	if err := first.Commit(ctxT(t)); err != nil {
-		t.Fatal(err)
+	res, err := p.Purge(ctxT(t), inbox.PurgeParams{Before: time.Now().Add(-time.Hour), BatchSize: 3})
+	if err != nil || res.Deleted != 0 {
+		t.Fatalf("Purge before an hour ago = %+v, %v; want nothing deleted (the rows are new)", res, err)
 	}
-	r := expectResult(t, second)
-	if r.err != nil || r.claimed {
-		t.Fatalf("second: claimed=%v err=%v, want a duplicate", r.claimed, r.err)
+	res, err = p.Purge(ctxT(t), inbox.PurgeParams{Before: time.Now().Add(time.Minute), BatchSize: 3})
+	if err != nil || res.Deleted != 7 || res.Batches != 3 {
+		t.Fatalf("Purge of everything in batches of 3 = %+v, %v; want 7 rows in 3 batches", res, err)
 	}
-	if err := r.tx.Commit(ctxT(t)); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func testLockTimeoutEndsTheWait(t *testing.T, s inbox.Store) {
-	first, ok := mustClaim(t, s, rc, claim("m-slow"))
-	if !ok {
-		t.Fatal("first claim refused")
-	}
-	defer first.Rollback(context.Background())
-	opts := inbox.TxOptions{LockTimeout: 150 * time.Millisecond}
-	start := time.Now()
-	tx, _, err := s.BeginClaim(ctxT(t), opts, claim("m-slow"))
-	if err == nil {
-		_ = tx.Rollback(context.Background())
-		t.Fatal("a claim behind an uncommitted claim did not time out")
-	}
-	if waited := time.Since(start); waited > 5*time.Second {
-		t.Fatalf("the lock wait took %v with a 150ms lock timeout", waited)
-	}
-	if s.Retryable(err) {
-		t.Fatalf("lock timeout reported as Retryable (in-process retry would hold the connection again): %v", err)
+	// A purged key is new again: the reason the retention window must outlast redelivery.
+	if !committedClaim(t, s, params("m-purge-0")) {
+		t.Fatal("a purged key was still seen as processed")
 	}
 }

@@ -1,0 +1,208 @@
+package inbox
+
+import (
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Defaults applied by Config.setDefaults.
+const (
+	// DefaultMessageTypeKey is the metadata field read for message_type: the key Watermill's
+	// CQRS marshalers write the event or command name to.
+	DefaultMessageTypeKey = "name"
+	// DefaultFinishTimeout bounds COMMIT and ROLLBACK, which run detached from the message's
+	// context (the router cancels that context on shutdown).
+	DefaultFinishTimeout = 10 * time.Second
+	// DefaultClaimTimeout bounds the claim (see Config.ClaimTimeout).
+	DefaultClaimTimeout = 30 * time.Second
+	// DefaultMaxTxRetries is how many times a transaction that failed with a transient conflict
+	// (SQLSTATE 40001 or 40P01) is retried in process before the delivery is nacked.
+	DefaultMaxTxRetries = 3
+	// DefaultTxRetryBackoff is the first pause before such a retry; it doubles per retry, with
+	// jitter, up to DefaultMaxTxRetryBackoff.
+	DefaultTxRetryBackoff = 10 * time.Millisecond
+	// DefaultMaxTxRetryBackoff caps the pause between transaction retries.
+	DefaultMaxTxRetryBackoff = 500 * time.Millisecond
+	// DefaultMaxAttempts is how many deliveries of one message may run the handler before the
+	// message is dead-lettered, when a dead-letter topic is configured.
+	DefaultMaxAttempts = 5
+)
+
+// Metadata keys the inbox adds to a dead letter, beside Watermill's PoisonQueue keys
+// (reason_poisoned, topic_poisoned, handler_poisoned, subscriber_poisoned), which it sets too
+// so existing poison-queue tooling reads inbox dead letters.
+const (
+	// DeadLetterAttemptsKey holds the number of attempts counted for the message (decimal).
+	DeadLetterAttemptsKey = "inbox_attempts"
+	// DeadLetterConsumerKey holds the consumer name.
+	DeadLetterConsumerKey = "inbox_consumer_name"
+	// DeadLetterMessageKeyKey holds the message key (empty when the key was invalid).
+	DeadLetterMessageKeyKey = "inbox_message_key"
+)
+
+// CollisionPolicy decides what happens to a key collision: a delivery whose key was already
+// processed with a different payload hash (see ErrKeyCollision).
+type CollisionPolicy int
+
+const (
+	// CollisionDeadLetter publishes the colliding message to the dead-letter topic with the
+	// reason and acks it; without a dead-letter topic it behaves as CollisionReject. Default.
+	CollisionDeadLetter CollisionPolicy = iota
+	// CollisionReject returns ErrKeyCollision, so the router nacks.
+	CollisionReject
+	// CollisionSkip acks the colliding message without running the handler, like a duplicate,
+	// and counts it in Stats.Collisions. Choose it only when payloads of one logical message
+	// may legitimately differ (a timestamp re-stamped on every producer retry).
+	CollisionSkip
+)
+
+// Config configures an Inbox. Zero values take the defaults documented on each field.
+type Config struct {
+	// Store opens transactions and claims messages (required), e.g. pgstore.New(pool, ...).
+	Store Store
+	// ConsumerName identifies the handler (required, at most MaxConsumerNameBytes bytes of
+	// UTF-8). It is half of the inbox key, so several handlers consuming the same message each
+	// process it once and never block each other. Keep it stable across deploys: renaming a
+	// consumer makes every retained message look new to it.
+	ConsumerName string
+	// KeyExtractor returns each message's key. Default: MessageUUID().
+	KeyExtractor KeyExtractor
+	// Isolation is the level of the claim-and-handler transaction. Default: READ COMMITTED.
+	// Under REPEATABLE READ and SERIALIZABLE, conflicts end in SQLSTATE 40001, which the inbox
+	// retries (see MaxTxRetries).
+	Isolation sql.IsolationLevel
+	// MessageTypeKey is the metadata field stored in message_type. Default:
+	// DefaultMessageTypeKey. Set it to "-" to store no message type.
+	MessageTypeKey string
+	// FinishTimeout bounds COMMIT and ROLLBACK. Default: DefaultFinishTimeout.
+	FinishTimeout time.Duration
+	// ClaimTimeout bounds everything before the handler runs (taking a connection, counting
+	// the attempt, BEGIN and the claim), whatever the network does: past it the delivery
+	// fails and is nacked. It also bounds a concurrent duplicate's wait behind a slow
+	// handler's uncommitted claim. Default: DefaultClaimTimeout.
+	ClaimTimeout time.Duration
+	// MaxTxRetries is the number of in-process retries of a whole transaction (claim, handler,
+	// commit) after a transient conflict the Store reports as Retryable (PostgreSQL SQLSTATE
+	// 40001 serialization_failure, 40P01 deadlock_detected). Default: DefaultMaxTxRetries.
+	// Set it to -1 for no retries. After the last retry the delivery is nacked.
+	MaxTxRetries int
+	// TxRetryBackoff is the first pause before a retry. Default: DefaultTxRetryBackoff.
+	TxRetryBackoff time.Duration
+	// MaxTxRetryBackoff caps the pause between retries. Default: DefaultMaxTxRetryBackoff.
+	MaxTxRetryBackoff time.Duration
+
+	// DeadLetterPublisher and DeadLetterTopic, set together, turn on durable attempt counting
+	// and dead letters (the Store must implement AttemptStore): a message is published to
+	// DeadLetterTopic, then acked, when its handler failed MaxAttempts times (crashes
+	// included, see docs/design.md "Attempt accounting" for what counts), or returned a
+	// permanent error (see IsPermanent), or its key is invalid, or its key collides. If the
+	// publish fails the delivery is nacked: it is never acked without its dead letter. A
+	// dead-lettered message's later deliveries are acked without running the handler, until
+	// Replay.
+	DeadLetterPublisher message.Publisher
+	// DeadLetterTopic is the topic dead letters are published to.
+	DeadLetterTopic string
+	// MaxAttempts is the number of deliveries that may run the handler and fail before the
+	// message is dead-lettered. Default: DefaultMaxAttempts. Used only with a dead-letter
+	// topic. A delivery whose broker says it is a first delivery (see Redelivery) is counted
+	// only if it fails, so a message that crashes the consumer on its first delivery runs at
+	// most MaxAttempts+1 times.
+	MaxAttempts int
+	// Redelivery reads the broker's redelivery signal of a delivery (each adapter exports
+	// one: adapters.Broker.Redelivery). With a dead-letter topic, a delivery that may be a
+	// redelivery (Redelivered, or RedeliveryUnknown) is counted durably before its handler
+	// runs, so a consumer that crashes on it still uses up an attempt; a FirstDelivery is
+	// counted only after a failure, which is cheaper. Default: nil, every delivery
+	// RedeliveryUnknown.
+	Redelivery RedeliveryFunc
+	// OnKeyCollision decides what a key collision does. Default: CollisionDeadLetter.
+	OnKeyCollision CollisionPolicy
+
+	// BrokerSideFields names the metadata fields the subscriber's broker adds to describe a
+	// delivery (field name to reason; each adapter exports its map, e.g.
+	// adapters/amqp.BrokerSideFields). They are removed from dead letters, beside the
+	// built-in list, so a replayed message does not carry the old delivery's state.
+	BrokerSideFields map[string]string
+
+	// Outbox, when set, receives the messages a handler returns (with router.AddHandler),
+	// inside the inbox transaction, for the handler's publish topic; the router then has
+	// nothing left to publish. A crash after the commit loses none of them, and a duplicate
+	// delivery produces none again. Without it, returned messages fail the delivery with
+	// ErrProducedMessages.
+	Outbox Outbox
+
+	// Observer, when set, is told how every delivery ended (see Result): the hook for
+	// metrics and tracing. It runs on the delivery's goroutine after the outcome is settled
+	// and before the router acks or nacks, so it must be quick and must not block.
+	Observer Observer
+}
+
+func (c *Config) setDefaults() {
+	if c.KeyExtractor == nil {
+		c.KeyExtractor = MessageUUID()
+	}
+	if c.Isolation == sql.LevelDefault {
+		c.Isolation = sql.LevelReadCommitted
+	}
+	if c.MessageTypeKey == "" {
+		c.MessageTypeKey = DefaultMessageTypeKey
+	}
+	if c.FinishTimeout == 0 {
+		c.FinishTimeout = DefaultFinishTimeout
+	}
+	if c.ClaimTimeout == 0 {
+		c.ClaimTimeout = DefaultClaimTimeout
+	}
+	if c.MaxTxRetries == 0 {
+		c.MaxTxRetries = DefaultMaxTxRetries
+	} else if c.MaxTxRetries < 0 {
+		c.MaxTxRetries = 0
+	}
+	if c.TxRetryBackoff == 0 {
+		c.TxRetryBackoff = DefaultTxRetryBackoff
+	}
+	if c.MaxTxRetryBackoff == 0 {
+		c.MaxTxRetryBackoff = DefaultMaxTxRetryBackoff
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+}
+
+// Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
+// ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
+// without a topic (or the reverse), a dead-letter topic on a Store that is not an
+// AttemptStore, MaxAttempts below 1 or an unknown collision policy. New calls it after filling
+// defaults.
+func (c Config) Validate() error {
+	if c.Store == nil {
+		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
+	}
+	if err := validateConsumerName(c.ConsumerName); err != nil {
+		return err
+	}
+	switch c.Isolation {
+	case sql.LevelDefault, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
+	default:
+		return fmt.Errorf("%w: isolation level %s is not supported (use READ COMMITTED, REPEATABLE READ or SERIALIZABLE)", ErrInvalidConfig, c.Isolation)
+	}
+	if c.FinishTimeout < 0 || c.ClaimTimeout < 0 || c.TxRetryBackoff < 0 || c.MaxTxRetryBackoff < 0 {
+		return fmt.Errorf("%w: durations must not be negative", ErrInvalidConfig)
+	}
+	if (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == "") {
+		return fmt.Errorf("%w: DeadLetterPublisher and DeadLetterTopic must be set together", ErrInvalidConfig)
+	}
+	if _, ok := c.Store.(AttemptStore); c.DeadLetterPublisher != nil && !ok {
+		return fmt.Errorf("%w: a dead-letter topic needs a Store that implements AttemptStore (durable attempt counting); %T does not", ErrInvalidConfig, c.Store)
+	}
+	if c.MaxAttempts < 1 {
+		return fmt.Errorf("%w: MaxAttempts must be at least 1", ErrInvalidConfig)
+	}
+	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
+		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)
+	}
+	return nil
+}
