@@ -330,6 +330,13 @@ func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (message.Publisher
 // subscriber on Subscribe. Errors wrap inbox.ErrInvalidConfig for an invalid Config. A nil
 // logger discards logs.
 //
+// NewSubscriber builds a subscriber of another consumer group on the same Config: each group
+// has its own committed offsets and reads every record of a topic; a group without committed
+// offsets starts at InitialOffset (the oldest retained record by default), so records
+// published before it first subscribed are read unless retention deleted them. Redelivery is
+// adapters.UnknownRedelivery: watermill-kafka exposes no delivery count, re-sends a nacked
+// record in process, and a record redelivered after a rebalance or crash looks like a new one.
+//
 // Topics are not created by the adapter: the brokers must create them on first use
 // (auto.create.topics.enable, Kafka's default, with num.partitions partitions) or an operator
 // must create them beforehand, the dead-letter topic included. A Publish to a missing topic
@@ -348,7 +355,18 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		_ = sub.Close()
 		return nil, err
 	}
-	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+	newSub := func(group string) (message.Subscriber, error) {
+		if group == "" {
+			return nil, invalid("empty consumer group")
+		}
+		gc := cfg
+		gc.ConsumerGroup = group
+		return NewSubscriber(gc, logger)
+	}
+	return &adapters.Broker{
+		Name: Name, Publisher: pub, Subscriber: sub, NewSubscriber: newSub,
+		BrokerSideFields: BrokerSideFields, Redelivery: adapters.UnknownRedelivery,
+	}, nil
 }
 
 // ParseBrokers reads a broker list as configuration gives it: addresses "host:port" separated

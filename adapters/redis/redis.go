@@ -147,6 +147,38 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	sub, err := newSubscriber(cfg, logger)
+	if err != nil {
+		return nil, err
+	}
+	pubOpts, _ := goredis.ParseURL(cfg.URL) // a client keeps and initialises its options: one each
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{
+		Client:        goredis.NewClient(pubOpts),
+		Marshaller:    redisstream.DefaultMarshallerUnmarshaller{},
+		DefaultMaxlen: cfg.MaxLen,
+	}, logger)
+	if err != nil {
+		_ = sub.Close()
+		return nil, fmt.Errorf("redis adapter: publisher: %w", err)
+	}
+	return &adapters.Broker{
+		Name: Name, Publisher: pub, Subscriber: sub,
+		NewSubscriber: func(group string) (message.Subscriber, error) {
+			gc := cfg
+			gc.ConsumerGroup = group
+			if err := gc.Validate(); err != nil {
+				return nil, err
+			}
+			return newSubscriber(gc, logger)
+		},
+		BrokerSideFields: BrokerSideFields,
+		Redelivery:       adapters.UnknownRedelivery,
+	}, nil
+}
+
+// newSubscriber connects a client of its own (closed with the subscriber), checks the server
+// answers, and returns a subscriber of cfg.ConsumerGroup.
+func newSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscriber, error) {
 	opts, _ := goredis.ParseURL(cfg.URL)
 	subClient := goredis.NewClient(opts)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -170,17 +202,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		_ = subClient.Close()
 		return nil, fmt.Errorf("redis adapter: subscriber: %w", err)
 	}
-	pubOpts, _ := goredis.ParseURL(cfg.URL) // a client keeps and initialises its options: one each
-	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{
-		Client:        goredis.NewClient(pubOpts),
-		Marshaller:    redisstream.DefaultMarshallerUnmarshaller{},
-		DefaultMaxlen: cfg.MaxLen,
-	}, logger)
-	if err != nil {
-		_ = sub.Close()
-		return nil, fmt.Errorf("redis adapter: publisher: %w", err)
-	}
-	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+	return sub, nil
 }
 
 // Unmarshaller reads entries written by watermill-redisstream's DefaultMarshallerUnmarshaller
