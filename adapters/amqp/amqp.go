@@ -41,6 +41,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -49,17 +50,7 @@ const Name = "amqp"
 
 // BrokerSideFields are the headers and metadata RabbitMQ and watermill-amqp attach to a
 // delivery. None identifies the message.
-var BrokerSideFields = map[string]string{
-	wamqp.MetadataRedeliveredKey: "watermill-amqp sets it when RabbitMQ flags a redelivery (basic.deliver redelivered)",
-	"x-delivery-count":           "RabbitMQ quorum queues count deliveries in it",
-	"x-death":                    "RabbitMQ appends to it on every dead-lettering",
-	"x-first-death-queue":        "RabbitMQ sets it when a message is first dead-lettered",
-	"x-first-death-reason":       "RabbitMQ sets it when a message is first dead-lettered",
-	"x-first-death-exchange":     "RabbitMQ sets it when a message is first dead-lettered",
-	"x-last-death-queue":         "RabbitMQ sets it on every dead-lettering",
-	"x-last-death-reason":        "RabbitMQ sets it on every dead-lettering",
-	"x-last-death-exchange":      "RabbitMQ sets it on every dead-lettering",
-}
+var BrokerSideFields = brokerside.AMQP
 
 // DefaultUnroutedQueue is the default of Config.UnroutedQueue.
 const DefaultUnroutedQueue = "watermill-inbox.unrouted"

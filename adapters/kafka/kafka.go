@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -409,19 +410,7 @@ func ParseBrokers(s string) ([]string, error) {
 // inbox.MetadataKey (inbox.MetadataKey(field, kafka.BrokerSideFields)), which refuses them
 // case-insensitively, and to inbox.Config.BrokerSideFields. New returns it as the Broker's
 // BrokerSideFields.
-var BrokerSideFields = map[string]string{
-	"partition":              "a Kafka partition number is shared by every record of the partition (MessagePartitionFromCtx)",
-	"kafka_partition":        "a Kafka partition number is shared by every record of the partition (watermill-kafka log field)",
-	"offset":                 "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it",
-	"partition_offset":       "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it (MessagePartitionOffsetFromCtx)",
-	"kafka_offset":           "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it",
-	"kafka_partition_offset": "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it (watermill-kafka log field)",
-	"kafka_initial_offset":   "the offset a consumer-group claim started at describes one session of one consumer (watermill-kafka log field)",
-	"timestamp":              "a Kafka record timestamp has millisecond precision and is set by the producer or, with LogAppendTime, by the broker on every append: distinct messages share it and a re-published copy gets a new one (MessageTimestampFromCtx)",
-	"kafka_timestamp":        "a Kafka record timestamp has millisecond precision and is set by the producer or, with LogAppendTime, by the broker on every append: distinct messages share it and a re-published copy gets a new one",
-	"key":                    "a Kafka record key is a partitioning key shared by every message of one entity (an account, an order), not unique per message (MessageKeyFromCtx)",
-	"kafka_key":              "a Kafka record key is a partitioning key shared by every message of one entity (an account, an order), not unique per message",
-}
+var BrokerSideFields = brokerside.Kafka
 
 // partitioningMarshaler is watermill-kafka's DefaultMarshaler plus a record key from key; an
 // empty key leaves the record without one (sarama then picks a random partition).

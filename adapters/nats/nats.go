@@ -60,6 +60,7 @@ import (
 	natsgo "github.com/nats-io/nats.go"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -73,20 +74,7 @@ const Name = "nats"
 // the ones a custom unmarshaler copying that metadata would naturally use;
 // the Nats-* headers are those the server itself writes into a message it republishes
 // (stream RePublish), sources from another stream, or returns by direct get.
-var BrokerSideFields = map[string]string{
-	"num_delivered":      "JetStream counts deliveries of the message in it (ack metadata)",
-	"num_pending":        "JetStream reports the consumer's backlog in it (ack metadata)",
-	"stream_seq":         "a stream sequence describes the broker's storage, not the message",
-	"consumer_seq":       "a consumer sequence numbers deliveries, redeliveries included",
-	"Nats-Stream":        "set by the server on a republished or directly fetched message",
-	"Nats-Subject":       "set by the server on a republished or directly fetched message",
-	"Nats-Sequence":      "the stream sequence, set by the server on a republished or directly fetched message",
-	"Nats-Last-Sequence": "set by the server on a republished message",
-	"Nats-Time-Stamp":    "the storage time, set by the server on a republished or directly fetched message",
-	"Nats-Stream-Source": "set by the server on a message sourced from another stream",
-	"Nats-Num-Pending":   "set by the server on a directly fetched message",
-	"Nats-Msg-Size":      "set by the server on a headers-only delivery",
-}
+var BrokerSideFields = brokerside.NATS
 
 // Config configures the NATS JetStream broker.
 type Config struct {

@@ -21,14 +21,16 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Name is the adapter's name in router configuration.
 const Name = "postgres"
 
-// BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal.
-var BrokerSideFields = map[string]string{}
+// BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal (the
+// table is internal/brokerside.Postgres).
+var BrokerSideFields = brokerside.Postgres
 
 // Config configures the PostgreSQL broker.
 type Config struct {

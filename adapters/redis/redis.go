@@ -54,6 +54,7 @@ import (
 	"github.com/vmihailenco/msgpack"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -67,10 +68,7 @@ const UnmarshalErrorKey = "_watermill_inbox_unmarshal_error"
 // BrokerSideFields are the names under which Redis' delivery state would reach message
 // metadata. None does with this adapter: the entry ID and the pending list's delivery counter
 // stay inside watermill-redisstream. The names are those a custom unmarshaler would use.
-var BrokerSideFields = map[string]string{
-	"xid":             "a Redis stream entry ID describes the stream's storage; a republished message gets a new one",
-	"times_delivered": "the consumer group's pending list counts deliveries in it (XPENDING)",
-}
+var BrokerSideFields = brokerside.Redis
 
 // Config configures the Redis Streams broker.
 type Config struct {
