@@ -96,9 +96,10 @@ func isAlnum(r rune) bool {
 }
 
 // BrokerSideFields (the table internal/brokerside.SQS) names the fields SQS attaches to a delivery rather than to the message,
-// mapped to the reason each one describes the delivery. This adapter puts none of them into
-// Watermill metadata (it does not request system attributes, and it copies only message
-// attributes), but a custom unmarshaler or a user's own code might: none of them may serve as
+// mapped to the reason each one describes the delivery. This adapter puts only
+// ApproximateReceiveCount and SequenceNumber into Watermill metadata (ReceiveCountKey,
+// SequenceNumberKey, for Redelivery), but a custom unmarshaler or a user's own code might put
+// others: none of them may serve as
 // an inbox key, because each either changes on redelivery or is not unique per message. Use
 // it with inbox.MetadataKey's refusal list, which compares names case-insensitively.
 var BrokerSideFields = brokerside.SQS
