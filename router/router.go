@@ -1,13 +1,20 @@
 // Package router builds a Watermill router for inbox-wrapped handlers from configuration: the
 // broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves between
-// PostgreSQL, RabbitMQ, NATS JetStream and Redis Streams without a code change.
+// PostgreSQL, RabbitMQ, Kafka, SQS, NATS JetStream and Redis Streams without a code change.
 //
 //	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
 //	r, err := router.New(cfg, pool, logger)
-//	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing",
+//	shipping, err := inbox.New(inbox.Config{Store: store, ConsumerName: "shipping",
 //		BrokerSideFields: r.Broker.BrokerSideFields}, logger)
-//	r.AddConsumer(ib, "payments", func(msg *message.Message) error { ... })
+//	analytics, err := inbox.New(inbox.Config{Store: store, ConsumerName: "analytics",
+//		BrokerSideFields: r.Broker.BrokerSideFields}, logger)
+//	_, err = r.AddConsumer(shipping, "orders", ship)    // each consumer name gets every message
+//	_, err = r.AddConsumer(analytics, "orders", count)
 //	err = r.Run(ctx)
+//
+// Each consumer name is a consumer group of its own on the broker (ConsumerGroupPrefix +
+// consumer name): every consumer name receives every message of a topic, and the instances of
+// one consumer name (several routers, several processes) share its messages.
 package router
 
 import (
@@ -16,6 +23,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -29,6 +37,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
+	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -49,25 +58,57 @@ type Config struct {
 	// "nats" it is the NATS URL (nats://127.0.0.1:4222), for "redis" the Redis URL
 	// (redis://127.0.0.1:6379/0).
 	URL string `json:"url"`
-	// ConsumerGroup is the consumer group of the subscriber where the broker has one
-	// (postgres: the offset row; kafka: the consumer group; nats: the durable consumer and
-	// deliver group, a valid JetStream consumer name; redis: the stream consumer group).
-	// Default: "watermill-inbox".
-	ConsumerGroup string `json:"consumer_group"`
+	// ConsumerGroupPrefix is prepended to each consumer name to name its consumer group
+	// (amqp: the queue "<topic>_<group>"; postgres: the offset row; kafka: the consumer group;
+	// nats: the durable consumer and deliver group; redis: the stream consumer group). Set it
+	// when several applications with their own inbox databases share one broker and might
+	// reuse a consumer name. The group must be a valid name for the broker (nats: no '.', '*',
+	// '>', '/', '\' or whitespace). Default: "" (the group is the consumer name).
+	// Broker.Subscriber, for tools, consumes in group ConsumerGroupPrefix+DefaultConsumerGroup.
+	ConsumerGroupPrefix string `json:"consumer_group_prefix"`
 	// SQSQueryProtocol makes the "sqs" broker speak the AWS query protocol instead of the
 	// SDK's default JSON protocol. Amazon SQS speaks both: leave it off against AWS. Set it
 	// for an SQS-compatible endpoint that speaks only the query protocol, such as goaws.
 	SQSQueryProtocol bool `json:"sqs_query_protocol"`
+
+	source int    // sourceCode, sourceEnv or sourceJSON
+	path   string // the JSON file, for sourceJSON
 }
 
-// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP and
+// DefaultConsumerGroup names, after ConsumerGroupPrefix, the consumer group of
+// Router.Broker.Subscriber (the broker's default subscriber, for tools such as a dead-letter
+// reader). Consumers added with AddConsumer and AddHandler use their consumer name instead.
+const DefaultConsumerGroup = "watermill-inbox"
+
+// Local defaults of Config.URL, used when no URL is configured.
+const (
+	DefaultAMQPURL  = defaults.AMQPURL
+	DefaultNATSURL  = defaults.NATSURL
+	DefaultRedisURL = defaults.RedisURL
+)
+
+// Where a Config came from, so that its errors name the setting the user wrote.
+const (
+	sourceCode = iota
+	sourceEnv
+	sourceJSON
+)
+
+// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP_PREFIX and
 // INBOX_SQS_QUERY_PROTOCOL. When INBOX_BROKER_URL is unset, INBOX_AMQP_URL, INBOX_NATS_URL or
-// INBOX_REDIS_URL is the URL of "amqp", "nats" or "redis".
+// INBOX_REDIS_URL is the URL of "amqp", "nats" or "redis", and without those DefaultAMQPURL,
+// DefaultNATSURL or DefaultRedisURL. Errors wrap inbox.ErrInvalidConfig and name the
+// environment variable. INBOX_CONSUMER_GROUP, the router-wide consumer group of earlier
+// versions, is refused: every consumer name is now a consumer group of its own.
 func ConfigFromEnv() (Config, error) {
+	if v := os.Getenv("INBOX_CONSUMER_GROUP"); v != "" {
+		return Config{}, fmt.Errorf("%w: router: INBOX_CONSUMER_GROUP=%q is no longer read: each consumer name is its own consumer group; use INBOX_CONSUMER_GROUP_PREFIX to namespace them", inbox.ErrInvalidConfig, v)
+	}
 	cfg := Config{
-		Broker:        os.Getenv("INBOX_BROKER"),
-		URL:           os.Getenv("INBOX_BROKER_URL"),
-		ConsumerGroup: os.Getenv("INBOX_CONSUMER_GROUP"),
+		Broker:              os.Getenv("INBOX_BROKER"),
+		URL:                 os.Getenv("INBOX_BROKER_URL"),
+		ConsumerGroupPrefix: os.Getenv("INBOX_CONSUMER_GROUP_PREFIX"),
+		source:              sourceEnv,
 	}
 	if cfg.URL == "" {
 		switch strings.ToLower(strings.TrimSpace(cfg.Broker)) {
@@ -87,7 +128,9 @@ func ConfigFromEnv() (Config, error) {
 }
 
 // LoadConfig reads a JSON file with the fields of Config, e.g.
-// {"broker": "amqp", "url": "amqp://guest:guest@127.0.0.1:5672/"}.
+// {"broker": "amqp", "url": "amqp://guest:guest@127.0.0.1:5672/"}. A missing "url" of amqp,
+// nats or redis is the local default (DefaultAMQPURL...). Errors wrap inbox.ErrInvalidConfig
+// and name the JSON field and the file.
 func LoadConfig(path string) (Config, error) {
 	raw, err := os.ReadFile(path)
 	if err != nil {
@@ -97,8 +140,13 @@ func LoadConfig(path string) (Config, error) {
 	dec := json.NewDecoder(strings.NewReader(string(raw)))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&cfg); err != nil {
-		return Config{}, fmt.Errorf("%w: router: %s: %v", inbox.ErrInvalidConfig, path, err)
+		hint := ""
+		if strings.Contains(err.Error(), `"consumer_group"`) {
+			hint = ` ("consumer_group" was replaced by "consumer_group_prefix": each consumer name is its own consumer group)`
+		}
+		return Config{}, fmt.Errorf("%w: router: %s: %v%s", inbox.ErrInvalidConfig, path, err, hint)
 	}
+	cfg.source, cfg.path = sourceJSON, path
 	cfg.setDefaults()
 	return cfg, cfg.Validate()
 }
@@ -108,39 +156,59 @@ func (c *Config) setDefaults() {
 	if c.Broker == "" {
 		c.Broker = postgres.Name
 	}
-	if c.ConsumerGroup == "" {
-		c.ConsumerGroup = "watermill-inbox"
+	if c.URL == "" {
+		switch c.Broker {
+		case amqp.Name:
+			c.URL = DefaultAMQPURL
+		case nats.Name:
+			c.URL = DefaultNATSURL
+		case redis.Name:
+			c.URL = DefaultRedisURL
+		}
 	}
 }
 
-// Validate returns an error wrapping inbox.ErrInvalidConfig for an unknown broker or a missing
-// or invalid URL.
+// setting names a configuration field as the user wrote it: the environment variable, the
+// JSON field and file, or the Go field.
+func (c Config) setting(env, jsonField, goField string) string {
+	switch c.source {
+	case sourceEnv:
+		return env
+	case sourceJSON:
+		return fmt.Sprintf("%q in %s", jsonField, c.path)
+	}
+	return "Config." + goField
+}
+
+// Validate returns an error wrapping inbox.ErrInvalidConfig for an unknown broker or an
+// invalid URL (for kafka, a missing one: it has no local default). The error names the
+// setting as it was given: the environment variable (ConfigFromEnv), the JSON field and file
+// (LoadConfig), or the Config field.
 func (c Config) Validate() error {
 	switch c.Broker {
-	case postgres.Name:
-	case amqp.Name, nats.Name, redis.Name:
-		if c.URL == "" {
-			return fmt.Errorf("%w: router: broker %q needs a URL (INBOX_BROKER_URL)", inbox.ErrInvalidConfig, c.Broker)
-		}
+	case postgres.Name, amqp.Name, nats.Name, redis.Name:
 	case kafka.Name:
 		if _, err := kafka.ParseBrokers(c.URL); err != nil {
-			return fmt.Errorf("router: broker %q needs a URL (INBOX_BROKER_URL): %w", c.Broker, err)
+			return fmt.Errorf("router: broker %q needs its bootstrap brokers in %s: %w", c.Broker, c.setting("INBOX_BROKER_URL", "url", "URL"), err)
 		}
 	case sqs.Name:
 		return validateSQS(c)
 	default:
-		return fmt.Errorf("%w: router: unknown broker %q (one of %s)", inbox.ErrInvalidConfig, c.Broker, strings.Join(Brokers, ", "))
+		return fmt.Errorf("%w: router: unknown broker %q in %s (one of %s)", inbox.ErrInvalidConfig, c.Broker, c.setting("INBOX_BROKER", "broker", "Broker"), strings.Join(Brokers, ", "))
 	}
 	return nil
 }
 
 // NewBroker builds the configured broker. pool is the database the inbox uses; the postgres
-// broker uses it too.
+// broker uses it too. Its Subscriber consumes in consumer group
+// cfg.ConsumerGroupPrefix+DefaultConsumerGroup (for amqp and sqs: the queue named after the
+// topic).
 func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	group := cfg.ConsumerGroupPrefix + DefaultConsumerGroup
 	switch cfg.Broker {
 	case amqp.Name:
 		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
@@ -149,15 +217,15 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 		if err != nil {
 			return nil, err
 		}
-		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: group}, logger)
 	case sqs.Name:
 		return newSQSBroker(cfg, logger)
 	case nats.Name:
-		return nats.New(nats.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		return nats.New(nats.Config{URL: cfg.URL, ConsumerGroup: group}, logger)
 	case redis.Name:
-		return redis.New(redis.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		return redis.New(redis.Config{URL: cfg.URL, ConsumerGroup: group}, logger)
 	default:
-		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: group}, logger)
 	}
 }
 
@@ -167,12 +235,17 @@ type Router struct {
 	// Broker is the configured broker; its Publisher is the one produced messages and dead
 	// letters should use.
 	Broker *adapters.Broker
+
+	prefix string
+	mu     sync.Mutex
+	subs   map[string]message.Subscriber // consumer group -> its subscriber
+	names  map[string]int                // consumer name -> handlers added for it
+	topics map[string]string             // topic -> consumer name, on a broker without fan-out
 }
 
 // New builds the broker and a router whose router-level middleware is, outermost first,
-// CorrelationID and Recoverer. Handlers added with AddConsumer and AddHandler get their inbox
-// as the innermost middleware, so the ack always follows the inbox commit. Close closes the
-// router and then the broker.
+// CorrelationID and Recoverer. Close closes the router, then the consumers' subscribers, then
+// the broker.
 func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Router, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -187,28 +260,100 @@ func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Route
 		return nil, err
 	}
 	r.AddMiddleware(wmmiddleware.CorrelationID, wmmiddleware.Recoverer)
-	return &Router{Router: r, Broker: b}, nil
+	return &Router{
+		Router: r, Broker: b, prefix: cfg.ConsumerGroupPrefix,
+		subs: map[string]message.Subscriber{}, names: map[string]int{}, topics: map[string]string{},
+	}, nil
 }
 
-// AddConsumer subscribes ib's handler h to topic: the handler is named after the inbox's
-// consumer name and wrapped by the inbox.
-func (r *Router) AddConsumer(ib *inbox.Inbox, topic string, h message.NoPublishHandlerFunc) *message.Handler {
-	handler := r.AddConsumerHandler(ib.ConsumerName(), topic, r.Broker.Subscriber, h)
-	handler.AddMiddleware(ib.Middleware)
-	return handler
+// subscriberFor returns the subscriber of consumer name's consumer group (ConsumerGroupPrefix +
+// name), made on first use, and the handler name to register: the consumer name, then
+// "<name>-2", "<name>-3"... for further handlers of the same consumer name, which compete for
+// its messages. On a broker without fan-out (sqs) it returns the broker's Subscriber and refuses
+// a second consumer name on one topic with an error wrapping adapters.ErrNoFanOut: the two
+// would compete for the topic's queue and each see only part of its messages.
+//
+// On amqp it declares the group's queue and binds it to the topic at once (SubscribeInitialize),
+// so messages published between AddConsumer and Run are kept for the group.
+func (r *Router) subscriberFor(name, topic string) (message.Subscriber, string, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var sub message.Subscriber
+	if r.Broker.NewSubscriber == nil {
+		if other, ok := r.topics[topic]; ok && other != name {
+			return nil, "", fmt.Errorf("router: consumers %q and %q of topic %q on broker %q: %w (give a topic one consumer name there)", other, name, topic, r.Broker.Name, adapters.ErrNoFanOut)
+		}
+		r.topics[topic] = name
+		sub = r.Broker.Subscriber
+	} else {
+		group := r.prefix + name
+		sub = r.subs[group]
+		if sub == nil {
+			var err error
+			if sub, err = r.Broker.SubscriberFor(group); err != nil {
+				return nil, "", fmt.Errorf("router: consumer %q: %w", name, err)
+			}
+			r.subs[group] = sub
+		}
+	}
+	if r.Broker.Name == amqp.Name {
+		if si, ok := sub.(message.SubscribeInitializer); ok {
+			if err := si.SubscribeInitialize(topic); err != nil {
+				return nil, "", fmt.Errorf("router: consumer %q: declaring its queue for topic %q: %w", name, topic, err)
+			}
+		}
+	}
+	r.names[name]++
+	handlerName := name
+	if n := r.names[name]; n > 1 {
+		handlerName = fmt.Sprintf("%s-%d", name, n)
+	}
+	return sub, handlerName, nil
+}
+
+// AddConsumer subscribes ib's handler h to topic in ib's consumer group (see subscriberFor):
+// every consumer name gets every message of the topic, several AddConsumer calls (or routers,
+// or processes) with one consumer name share them. The inbox wraps h directly, inside the
+// handler function the router sees, so every router-level and handler-level middleware, added
+// before or after this call, runs outside the inbox transaction. The handler is named after the
+// consumer name ("<name>-2"... for further handlers of it). Errors: the consumer group's
+// subscriber could not be built (the group is not a valid name for the broker, the broker is
+// unreachable), or adapters.ErrNoFanOut (see subscriberFor).
+func (r *Router) AddConsumer(ib *inbox.Inbox, topic string, h message.NoPublishHandlerFunc) (*message.Handler, error) {
+	sub, name, err := r.subscriberFor(ib.ConsumerName(), topic)
+	if err != nil {
+		return nil, err
+	}
+	wrapped := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+	return r.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
+		_, err := wrapped(msg)
+		return err
+	}), nil
 }
 
 // AddHandler is AddConsumer for a handler that returns messages for publishTopic; give the
 // inbox an Outbox (package middleware/outbox) so they are written in the inbox transaction.
-func (r *Router) AddHandler(ib *inbox.Inbox, topic, publishTopic string, h message.HandlerFunc) *message.Handler {
-	handler := r.Router.AddHandler(ib.ConsumerName(), topic, r.Broker.Subscriber, publishTopic, r.Broker.Publisher, h)
-	handler.AddMiddleware(ib.Middleware)
-	return handler
+func (r *Router) AddHandler(ib *inbox.Inbox, topic, publishTopic string, h message.HandlerFunc) (*message.Handler, error) {
+	sub, name, err := r.subscriberFor(ib.ConsumerName(), topic)
+	if err != nil {
+		return nil, err
+	}
+	return r.Router.AddHandler(name, topic, sub, publishTopic, r.Broker.Publisher, ib.Middleware(h)), nil
 }
 
-// Close closes the router, then the broker.
+// Close closes the router, then the consumers' subscribers, then the broker, and returns the
+// first error.
 func (r *Router) Close() error {
 	err := r.Router.Close()
+	r.mu.Lock()
+	subs := r.subs
+	r.subs = map[string]message.Subscriber{}
+	r.mu.Unlock()
+	for _, s := range subs {
+		if serr := s.Close(); err == nil {
+			err = serr
+		}
+	}
 	if berr := r.Broker.Close(); err == nil {
 		err = berr
 	}

@@ -34,8 +34,8 @@ func TestConfigFromEnvAndFile(t *testing.T) {
 	}
 	t.Setenv("INBOX_BROKER", "kafka")
 	t.Setenv("INBOX_BROKER_URL", "kafka://127.0.0.1:9092,127.0.0.1:9093")
-	t.Setenv("INBOX_CONSUMER_GROUP", "billing")
-	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.Broker != "kafka" || cfg.ConsumerGroup != "billing" {
+	t.Setenv("INBOX_CONSUMER_GROUP_PREFIX", "billing-")
+	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.Broker != "kafka" || cfg.ConsumerGroupPrefix != "billing-" {
 		t.Fatalf("ConfigFromEnv (kafka) = %+v, %v", cfg, err)
 	}
 	for _, url := range []string{"", "kafka://", "127.0.0.1:9092,", "amqp://127.0.0.1:5672"} {
@@ -52,17 +52,17 @@ func TestConfigFromEnvAndFile(t *testing.T) {
 	}
 	t.Setenv("INBOX_BROKER", "redis")
 	t.Setenv("INBOX_REDIS_URL", "")
-	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
-		t.Fatalf("redis without a URL: %v", err)
+	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.URL != router.DefaultRedisURL {
+		t.Fatalf("redis without a URL: %+v, %v; want the local default", cfg, err)
 	}
 	t.Setenv("INBOX_BROKER", "carrier-pigeon")
 	if _, err := router.ConfigFromEnv(); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Fatalf("unknown broker: %v", err)
 	}
 	path := filepath.Join(t.TempDir(), "broker.json")
-	_ = os.WriteFile(path, []byte(`{"broker": "postgres", "consumer_group": "billing"}`), 0o600)
+	_ = os.WriteFile(path, []byte(`{"broker": "postgres", "consumer_group_prefix": "billing-"}`), 0o600)
 	cfg, err = router.LoadConfig(path)
-	if err != nil || cfg.Broker != "postgres" || cfg.ConsumerGroup != "billing" {
+	if err != nil || cfg.Broker != "postgres" || cfg.ConsumerGroupPrefix != "billing-" {
 		t.Fatalf("LoadConfig = %+v, %v", cfg, err)
 	}
 	_ = os.WriteFile(path, []byte(`{"broker": "amqp", "ulr": "typo"}`), 0o600)
@@ -128,11 +128,14 @@ func TestSameHandlerOnEachBroker(t *testing.T) {
 			}
 			topic := "entries_" + sch.Name
 			t.Cleanup(func() { deleteTopic(t, cfg, topic) })
-			r.AddConsumer(ib, topic, func(msg *message.Message) error { // the handler, identical on every broker
+			_, err = r.AddConsumer(ib, topic, func(msg *message.Message) error { // the handler, identical on every broker
 				tx, _ := pgstore.TxFromContext(msg.Context())
 				_, err := tx.Exec(msg.Context(), "INSERT INTO ledger VALUES ($1)", msg.UUID)
 				return err
 			})
+			if err != nil {
+				t.Fatal(err)
+			}
 			go func() { _ = r.Run(ctx) }()
 			<-r.Running()
 			for _, id := range []string{"e-1", "e-2", "e-1"} {

@@ -39,7 +39,7 @@ func validateSQS(c Config) error {
 		return nil
 	}
 	if u, err := url.Parse(c.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return fmt.Errorf("%w: router: broker %q: URL %q is not an http(s) endpoint (leave it empty for AWS's endpoint for the region)", inbox.ErrInvalidConfig, c.Broker, c.URL)
+		return fmt.Errorf("%w: router: broker %q: %s = %q is not an http(s) endpoint (leave it empty for AWS's endpoint for the region)", inbox.ErrInvalidConfig, c.Broker, c.setting("INBOX_BROKER_URL", "url", "URL"), c.URL)
 	}
 	return nil
 }

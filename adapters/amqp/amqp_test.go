@@ -16,14 +16,16 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/adaptertest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 func harness(t *testing.T) adaptertest.Harness {
 	url := testenv.RequireAMQP(t)
 	return adaptertest.Harness{
 		NewBroker: func(_ *pgxpool.Pool, _ string) (*adapters.Broker, error) {
-			// Queues expire 10 minutes after their last consumer leaves.
-			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+			// Queues expire 10 minutes after their last consumer leaves. The matrix publishes
+			// before it subscribes: the publisher declares the default group's queue.
+			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}, DeclareGroups: []string{""}}, watermill.NopLogger{})
 		},
 	}
 }
@@ -74,8 +76,11 @@ func TestNonStringHeadersDoNotLoop(t *testing.T) {
 		if m.UUID != "order-7" || m.Metadata.Get("name") != "OrderPlaced" {
 			t.Fatalf("message %q metadata %v", m.UUID, m.Metadata)
 		}
-		if _, ok := m.Metadata["x-death"]; ok {
-			t.Fatal("non-string header kept as metadata")
+		if m.Metadata.Get("x-death") != "present" || m.Metadata.Get("x-delivery-count") != "3" {
+			t.Fatalf("x-death %q, x-delivery-count %q; want \"present\" and \"3\"", m.Metadata.Get("x-death"), m.Metadata.Get("x-delivery-count"))
+		}
+		if r := b.Redelivery(m); r != inbox.Redelivered {
+			t.Fatalf("a dead-lettered, counted message reads %v, want redelivered", r)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the message with non-string headers was never delivered")
@@ -87,12 +92,12 @@ func TestNonStringHeadersDoNotLoop(t *testing.T) {
 	}
 }
 
-// TestPublishDeclaresTheQueue publishes to a topic nobody subscribed to yet: watermill-amqp
-// alone would route it through the default exchange into nothing; the adapter declares the
-// queue first, so a subscriber that comes later gets it.
+// TestPublishDeclaresTheQueue publishes to a topic nobody subscribed to yet: with the default
+// group in DeclareGroups the publisher declares and binds its queue first, so a subscriber
+// that comes later gets it.
 func TestPublishDeclaresTheQueue(t *testing.T) {
 	url := testenv.RequireAMQP(t)
-	b, err := amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+	b, err := amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}, DeclareGroups: []string{""}}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,6 +121,66 @@ func TestPublishDeclaresTheQueue(t *testing.T) {
 	}
 }
 
+// TestUnroutedIsKept publishes to a topic no consumer group's queue is bound to yet: RabbitMQ
+// would drop it; the topic exchange's alternate exchange keeps it in the unrouted queue. A
+// group that subscribes later does not receive it (RabbitMQ keeps no log).
+func TestUnroutedIsKept(t *testing.T) {
+	url := testenv.RequireAMQP(t)
+	unrouted := fmt.Sprintf("unrouted_%d", time.Now().UnixNano())
+	b, err := amqp.New(amqp.Config{URL: url, UnroutedQueue: unrouted, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	topic := fmt.Sprintf("nobody_%d", time.Now().UnixNano())
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = ch.QueueDelete(unrouted, false, false, false)
+		_ = ch.ExchangeDelete(unrouted, false, false)
+		_, _ = ch.QueueDelete(amqp.QueueName(topic, "late"), false, false, false)
+		_ = ch.ExchangeDelete(topic, false, false)
+	})
+	if err := b.Publisher.Publish(topic, message.NewMessage("early-1", []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	q, err := ch.QueueDeclarePassive(unrouted, true, false, false, false, nil)
+	if err != nil || q.Messages != 1 {
+		t.Fatalf("unrouted queue %q: %+v, %v; want 1 message", unrouted, q, err)
+	}
+	late, err := b.NewSubscriber("late")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Close()
+	msgs, err := late.Subscribe(context.Background(), topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Publisher.Publish(topic, message.NewMessage("after-1", []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-msgs:
+		m.Ack()
+		if m.UUID != "after-1" {
+			t.Fatalf("the late group got %q, want only after-1", m.UUID)
+		}
+		if r := b.Redelivery(m); r != inbox.FirstDelivery {
+			t.Fatalf("first delivery reads %v", r)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the late group got nothing")
+	}
+}
+
 // BenchmarkInboxVsBare: go test ./adapters/amqp -run '^$' -bench . -benchtime 2000x
 func BenchmarkInboxVsBare(b *testing.B) {
 	url := testenv.DefaultAMQPURL
@@ -124,7 +189,7 @@ func BenchmarkInboxVsBare(b *testing.B) {
 	}
 	adaptertest.Benchmark(b, adaptertest.Harness{
 		NewBroker: func(_ *pgxpool.Pool, _ string) (*adapters.Broker, error) {
-			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}}, watermill.NopLogger{})
+			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}, DeclareGroups: []string{""}}, watermill.NopLogger{})
 		},
 	}, 8)
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -330,6 +331,13 @@ func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (message.Publisher
 // subscriber on Subscribe. Errors wrap inbox.ErrInvalidConfig for an invalid Config. A nil
 // logger discards logs.
 //
+// NewSubscriber builds a subscriber of another consumer group on the same Config: each group
+// has its own committed offsets and reads every record of a topic; a group without committed
+// offsets starts at InitialOffset (the oldest retained record by default), so records
+// published before it first subscribed are read unless retention deleted them. Redelivery is
+// adapters.UnknownRedelivery: watermill-kafka exposes no delivery count, re-sends a nacked
+// record in process, and a record redelivered after a rebalance or crash looks like a new one.
+//
 // Topics are not created by the adapter: the brokers must create them on first use
 // (auto.create.topics.enable, Kafka's default, with num.partitions partitions) or an operator
 // must create them beforehand, the dead-letter topic included. A Publish to a missing topic
@@ -348,7 +356,18 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		_ = sub.Close()
 		return nil, err
 	}
-	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+	newSub := func(group string) (message.Subscriber, error) {
+		if group == "" {
+			return nil, invalid("empty consumer group")
+		}
+		gc := cfg
+		gc.ConsumerGroup = group
+		return NewSubscriber(gc, logger)
+	}
+	return &adapters.Broker{
+		Name: Name, Publisher: pub, Subscriber: sub, NewSubscriber: newSub,
+		BrokerSideFields: BrokerSideFields, Redelivery: adapters.UnknownRedelivery,
+	}, nil
 }
 
 // ParseBrokers reads a broker list as configuration gives it: addresses "host:port" separated
@@ -391,19 +410,7 @@ func ParseBrokers(s string) ([]string, error) {
 // inbox.MetadataKey (inbox.MetadataKey(field, kafka.BrokerSideFields)), which refuses them
 // case-insensitively, and to inbox.Config.BrokerSideFields. New returns it as the Broker's
 // BrokerSideFields.
-var BrokerSideFields = map[string]string{
-	"partition":              "a Kafka partition number is shared by every record of the partition (MessagePartitionFromCtx)",
-	"kafka_partition":        "a Kafka partition number is shared by every record of the partition (watermill-kafka log field)",
-	"offset":                 "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it",
-	"partition_offset":       "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it (MessagePartitionOffsetFromCtx)",
-	"kafka_offset":           "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it",
-	"kafka_partition_offset": "a Kafka offset is numbered per partition: the same offset exists on every partition, and a replay into another topic renumbers it (watermill-kafka log field)",
-	"kafka_initial_offset":   "the offset a consumer-group claim started at describes one session of one consumer (watermill-kafka log field)",
-	"timestamp":              "a Kafka record timestamp has millisecond precision and is set by the producer or, with LogAppendTime, by the broker on every append: distinct messages share it and a re-published copy gets a new one (MessageTimestampFromCtx)",
-	"kafka_timestamp":        "a Kafka record timestamp has millisecond precision and is set by the producer or, with LogAppendTime, by the broker on every append: distinct messages share it and a re-published copy gets a new one",
-	"key":                    "a Kafka record key is a partitioning key shared by every message of one entity (an account, an order), not unique per message (MessageKeyFromCtx)",
-	"kafka_key":              "a Kafka record key is a partitioning key shared by every message of one entity (an account, an order), not unique per message",
-}
+var BrokerSideFields = brokerside.Kafka
 
 // partitioningMarshaler is watermill-kafka's DefaultMarshaler plus a record key from key; an
 // empty key leaves the record without one (sarama then picks a random partition).

@@ -49,6 +49,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -59,33 +60,21 @@ import (
 	natsgo "github.com/nats-io/nats.go"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Name is the adapter's name in router configuration.
 const Name = "nats"
 
-// BrokerSideFields are the names under which JetStream's delivery state would reach message
-// metadata. None does with this adapter: watermill-nats copies headers only, and JetStream's
-// delivery count and sequences travel in the reply subject of each delivery (nats.Msg.Metadata),
-// which it does not expose. The lower-case names are the ones a custom unmarshaler copying
-// that metadata would naturally use (the inbox refuses stream_seq and num_delivered already);
+// BrokerSideFields are the names under which JetStream's delivery state reaches message
+// metadata. JetStream's delivery count and sequences travel in the reply subject of each
+// delivery (nats.Msg.Metadata), which watermill-nats does not expose; this adapter's
+// Unmarshaler copies the delivery count into NumDeliveredKey. The other lower-case names are
+// the ones a custom unmarshaler copying that metadata would naturally use;
 // the Nats-* headers are those the server itself writes into a message it republishes
 // (stream RePublish), sources from another stream, or returns by direct get.
-var BrokerSideFields = map[string]string{
-	"num_delivered":      "JetStream counts deliveries of the message in it (ack metadata)",
-	"num_pending":        "JetStream reports the consumer's backlog in it (ack metadata)",
-	"stream_seq":         "a stream sequence describes the broker's storage, not the message",
-	"consumer_seq":       "a consumer sequence numbers deliveries, redeliveries included",
-	"Nats-Stream":        "set by the server on a republished or directly fetched message",
-	"Nats-Subject":       "set by the server on a republished or directly fetched message",
-	"Nats-Sequence":      "the stream sequence, set by the server on a republished or directly fetched message",
-	"Nats-Last-Sequence": "set by the server on a republished message",
-	"Nats-Time-Stamp":    "the storage time, set by the server on a republished or directly fetched message",
-	"Nats-Stream-Source": "set by the server on a message sourced from another stream",
-	"Nats-Num-Pending":   "set by the server on a directly fetched message",
-	"Nats-Msg-Size":      "set by the server on a headers-only delivery",
-}
+var BrokerSideFields = brokerside.NATS
 
 // Config configures the NATS JetStream broker.
 type Config struct {
@@ -166,6 +155,51 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	}
 	opts := append([]natsgo.Option{natsgo.Name("watermill-inbox"), natsgo.MaxReconnects(-1)}, cfg.NatsOptions...)
 
+	sub, err := newSubscriber(cfg, opts, logger)
+	if err != nil {
+		return nil, err
+	}
+
+	pubConn, err := natsgo.Connect(cfg.URL, opts...)
+	if err != nil {
+		_ = sub.Close()
+		return nil, fmt.Errorf("nats adapter: connect: %w", err)
+	}
+	pubJS, err := jetStream(pubConn)
+	if err != nil {
+		pubConn.Close()
+		_ = sub.Close()
+		return nil, err
+	}
+	pub, err := wmnats.NewPublisherWithNatsConn(pubConn, wmnats.PublisherPublishConfig{
+		Marshaler:         &wmnats.NATSMarshaler{},
+		SubjectCalculator: wmnats.DefaultSubjectCalculator,
+	}, logger)
+	if err != nil {
+		pubConn.Close()
+		_ = sub.Close()
+		return nil, fmt.Errorf("nats adapter: publisher: %w", err)
+	}
+	return &adapters.Broker{
+		Name:       Name,
+		Publisher:  &publisher{Publisher: pub, streams: &streams{js: pubJS, template: cfg.Stream}},
+		Subscriber: sub,
+		NewSubscriber: func(group string) (message.Subscriber, error) {
+			gc := cfg
+			gc.ConsumerGroup = group
+			if err := gc.Validate(); err != nil {
+				return nil, err
+			}
+			return newSubscriber(gc, opts, logger)
+		},
+		BrokerSideFields: BrokerSideFields,
+		Redelivery:       Redelivery,
+	}, nil
+}
+
+// newSubscriber connects a subscriber of cfg.ConsumerGroup on a connection of its own (closed
+// with it).
+func newSubscriber(cfg Config, opts []natsgo.Option, logger watermill.LoggerAdapter) (*subscriber, error) {
 	subConn, err := natsgo.Connect(cfg.URL, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("nats adapter: connect: %w", err)
@@ -194,33 +228,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		subConn.Close()
 		return nil, fmt.Errorf("nats adapter: subscriber: %w", err)
 	}
-
-	pubConn, err := natsgo.Connect(cfg.URL, opts...)
-	if err != nil {
-		_ = sub.Close()
-		return nil, fmt.Errorf("nats adapter: connect: %w", err)
-	}
-	pubJS, err := jetStream(pubConn)
-	if err != nil {
-		pubConn.Close()
-		_ = sub.Close()
-		return nil, err
-	}
-	pub, err := wmnats.NewPublisherWithNatsConn(pubConn, wmnats.PublisherPublishConfig{
-		Marshaler:         &wmnats.NATSMarshaler{},
-		SubjectCalculator: wmnats.DefaultSubjectCalculator,
-	}, logger)
-	if err != nil {
-		pubConn.Close()
-		_ = sub.Close()
-		return nil, fmt.Errorf("nats adapter: publisher: %w", err)
-	}
-	return &adapters.Broker{
-		Name:             Name,
-		Publisher:        &publisher{Publisher: pub, streams: &streams{js: pubJS, template: cfg.Stream}},
-		Subscriber:       &subscriber{Subscriber: sub, streams: &streams{js: subJS, template: cfg.Stream}, cfg: cfg},
-		BrokerSideFields: BrokerSideFields,
-	}, nil
+	return &subscriber{Subscriber: sub, streams: &streams{js: subJS, template: cfg.Stream}, cfg: cfg}, nil
 }
 
 // jetStream returns conn's JetStream context after checking that the server has JetStream on.
@@ -382,7 +390,36 @@ func (Unmarshaler) Unmarshal(m *natsgo.Msg) (*message.Message, error) {
 			md.Set(k, v[0])
 		}
 	}
+	// The delivery count comes from JetStream's ack metadata (the reply subject), never from a
+	// header a producer could have sent under the same name.
+	delete(md, NumDeliveredKey)
+	if meta, err := m.Metadata(); err == nil && meta.NumDelivered > 0 {
+		md.Set(NumDeliveredKey, strconv.FormatUint(meta.NumDelivered, 10))
+	}
 	msg := message.NewMessage(m.Header.Get(wmnats.WatermillUUIDHdr), m.Data)
 	msg.Metadata = md
 	return msg, nil
+}
+
+// NumDeliveredKey is the metadata field in which Unmarshaler puts JetStream's delivery count
+// of the message for its consumer (nats.MsgMetadata.NumDelivered, from the delivery's ack
+// reply subject): "1" on the first delivery, counting up on every redelivery (nack, AckWait
+// expired). It is absent when the message carries no JetStream ack metadata. It is a
+// broker-side field: never a key, removed from dead letters.
+const NumDeliveredKey = "num_delivered"
+
+// Redelivery is the adapter's inbox.RedeliveryFunc: JetStream's delivery count
+// (NumDeliveredKey) of 1 is inbox.FirstDelivery, above 1 inbox.Redelivered, missing or
+// unreadable inbox.RedeliveryUnknown. JetStream counts every delivery of the message to the
+// durable consumer, so a count of 1 means no earlier delivery to that consumer group.
+func Redelivery(msg *message.Message) inbox.Redelivery {
+	n, err := strconv.ParseUint(msg.Metadata.Get(NumDeliveredKey), 10, 64)
+	switch {
+	case err != nil || n == 0:
+		return inbox.RedeliveryUnknown
+	case n == 1:
+		return inbox.FirstDelivery
+	default:
+		return inbox.Redelivered
+	}
 }

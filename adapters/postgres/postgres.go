@@ -17,17 +17,20 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 // Name is the adapter's name in router configuration.
 const Name = "postgres"
 
-// BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal.
-var BrokerSideFields = map[string]string{}
+// BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal (the
+// table is internal/brokerside.Postgres).
+var BrokerSideFields = brokerside.Postgres
 
 // Config configures the PostgreSQL broker.
 type Config struct {
@@ -78,7 +81,11 @@ func (c Config) Validate() error {
 }
 
 // New returns the broker. Tables are created on first publish or subscribe (watermill-sql's
-// schema initialisation, under an advisory lock).
+// schema initialisation, under an advisory lock). Its NewSubscriber gives each consumer group
+// an offset row of its own in the topic's offsets table: every group reads every message, and
+// a group that subscribes for the first time starts at the topic's first message (nothing
+// published before is missed). Redelivery is adapters.UnknownRedelivery: watermill-sql
+// exposes no delivery count, and a nacked message is re-sent in process.
 func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -98,20 +105,33 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("postgres adapter: publisher: %w", err)
 	}
-	deadline := cfg.AckDeadline
-	sub, err := sql.NewSubscriber(sql.BeginnerFromPgx(cfg.Pool), sql.SubscriberConfig{
-		ConsumerGroup:    cfg.ConsumerGroup,
-		SchemaAdapter:    schema,
-		OffsetsAdapter:   sql.DefaultPostgreSQLOffsetsAdapter{},
-		InitializeSchema: true,
-		PollInterval:     cfg.PollInterval,
-		ResendInterval:   cfg.ResendInterval,
-		RetryInterval:    time.Second,
-		AckDeadline:      &deadline,
-	}, logger)
+	newSub := func(group string) (message.Subscriber, error) {
+		if group == "" {
+			return nil, fmt.Errorf("%w: postgres adapter: empty consumer group", inbox.ErrInvalidConfig)
+		}
+		deadline := cfg.AckDeadline
+		sub, err := sql.NewSubscriber(sql.BeginnerFromPgx(cfg.Pool), sql.SubscriberConfig{
+			ConsumerGroup:    group,
+			SchemaAdapter:    schema,
+			OffsetsAdapter:   sql.DefaultPostgreSQLOffsetsAdapter{},
+			InitializeSchema: true,
+			PollInterval:     cfg.PollInterval,
+			ResendInterval:   cfg.ResendInterval,
+			RetryInterval:    time.Second,
+			AckDeadline:      &deadline,
+		}, logger)
+		if err != nil {
+			return nil, fmt.Errorf("postgres adapter: subscriber of consumer group %q: %w", group, err)
+		}
+		return sub, nil
+	}
+	sub, err := newSub(cfg.ConsumerGroup)
 	if err != nil {
 		_ = pub.Close()
-		return nil, fmt.Errorf("postgres adapter: subscriber: %w", err)
+		return nil, err
 	}
-	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+	return &adapters.Broker{
+		Name: Name, Publisher: pub, Subscriber: sub, NewSubscriber: newSub,
+		BrokerSideFields: BrokerSideFields, Redelivery: adapters.UnknownRedelivery,
+	}, nil
 }

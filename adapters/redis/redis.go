@@ -54,6 +54,7 @@ import (
 	"github.com/vmihailenco/msgpack"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -67,10 +68,7 @@ const UnmarshalErrorKey = "_watermill_inbox_unmarshal_error"
 // BrokerSideFields are the names under which Redis' delivery state would reach message
 // metadata. None does with this adapter: the entry ID and the pending list's delivery counter
 // stay inside watermill-redisstream. The names are those a custom unmarshaler would use.
-var BrokerSideFields = map[string]string{
-	"xid":             "a Redis stream entry ID describes the stream's storage; a republished message gets a new one",
-	"times_delivered": "the consumer group's pending list counts deliveries in it (XPENDING)",
-}
+var BrokerSideFields = brokerside.Redis
 
 // Config configures the Redis Streams broker.
 type Config struct {
@@ -147,6 +145,38 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
+	sub, err := newSubscriber(cfg, logger)
+	if err != nil {
+		return nil, err
+	}
+	pubOpts, _ := goredis.ParseURL(cfg.URL) // a client keeps and initialises its options: one each
+	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{
+		Client:        goredis.NewClient(pubOpts),
+		Marshaller:    redisstream.DefaultMarshallerUnmarshaller{},
+		DefaultMaxlen: cfg.MaxLen,
+	}, logger)
+	if err != nil {
+		_ = sub.Close()
+		return nil, fmt.Errorf("redis adapter: publisher: %w", err)
+	}
+	return &adapters.Broker{
+		Name: Name, Publisher: pub, Subscriber: sub,
+		NewSubscriber: func(group string) (message.Subscriber, error) {
+			gc := cfg
+			gc.ConsumerGroup = group
+			if err := gc.Validate(); err != nil {
+				return nil, err
+			}
+			return newSubscriber(gc, logger)
+		},
+		BrokerSideFields: BrokerSideFields,
+		Redelivery:       adapters.UnknownRedelivery,
+	}, nil
+}
+
+// newSubscriber connects a client of its own (closed with the subscriber), checks the server
+// answers, and returns a subscriber of cfg.ConsumerGroup.
+func newSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscriber, error) {
 	opts, _ := goredis.ParseURL(cfg.URL)
 	subClient := goredis.NewClient(opts)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -170,17 +200,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		_ = subClient.Close()
 		return nil, fmt.Errorf("redis adapter: subscriber: %w", err)
 	}
-	pubOpts, _ := goredis.ParseURL(cfg.URL) // a client keeps and initialises its options: one each
-	pub, err := redisstream.NewPublisher(redisstream.PublisherConfig{
-		Client:        goredis.NewClient(pubOpts),
-		Marshaller:    redisstream.DefaultMarshallerUnmarshaller{},
-		DefaultMaxlen: cfg.MaxLen,
-	}, logger)
-	if err != nil {
-		_ = sub.Close()
-		return nil, fmt.Errorf("redis adapter: publisher: %w", err)
-	}
-	return &adapters.Broker{Name: Name, Publisher: pub, Subscriber: sub, BrokerSideFields: BrokerSideFields}, nil
+	return sub, nil
 }
 
 // Unmarshaller reads entries written by watermill-redisstream's DefaultMarshallerUnmarshaller

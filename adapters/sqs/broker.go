@@ -93,7 +93,8 @@ func (c BrokerConfig) SubscriberConfig() SubscriberConfig {
 // dead letter or an outbox relay never fails on a queue nobody subscribed to yet; its
 // Subscriber does the same before each Subscribe (the plain Subscriber only resolves). A
 // topic is one queue, and so one consumer group: every consumer of the queue shares its
-// messages. BrokerSideFields are the SQS system attributes (ReceiptHandle, MessageId, ...).
+// messages: the broker has no NewSubscriber (adapters.ErrNoFanOut), so give each topic one
+// consumer name. BrokerSideFields are the SQS system attributes (ReceiptHandle, MessageId, ...).
 //
 // No network call is made. IAM permissions: those of Publisher and Subscriber, and
 // sqs:CreateQueue unless every queue exists beforehand. An invalid configuration gives an
@@ -118,6 +119,10 @@ func New(cfg BrokerConfig, logger watermill.LoggerAdapter) (*adapters.Broker, er
 		}),
 		Subscriber:       ensuringSubscriber{sub},
 		BrokerSideFields: BrokerSideFields,
+		Redelivery:       Redelivery,
+		// NewSubscriber stays nil: an SQS queue has no consumer groups, so every consumer of a
+		// topic's queue competes for its messages. Fan-out needs a topic that copies each
+		// message into one queue per consumer group (SNS), which this adapter does not have.
 	}, nil
 }
 

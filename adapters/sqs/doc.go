@@ -25,7 +25,9 @@
 //   - metadata: one String message attribute per non-empty field (SQS allows 10 attributes
 //     per message, the UUID included).
 //   - SQS system attributes (ReceiptHandle, MessageId, ApproximateReceiveCount...) describe a
-//     delivery and are never copied into metadata; BrokerSideFields lists them.
+//     delivery; BrokerSideFields lists them. Only ApproximateReceiveCount (ReceiveCountKey)
+//     and, on FIFO queues, SequenceNumber (SequenceNumberKey) are copied into metadata, from
+//     SQS's own values, for Redelivery; a producer's attribute of either name is dropped.
 //
 // Delivery is at least once. Ack deletes the message; Nack makes it visible again at once;
 // while a handler runs, the subscriber extends the message's visibility every third of the

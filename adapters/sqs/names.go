@@ -3,6 +3,7 @@ package sqs
 import (
 	"errors"
 	"fmt"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"strings"
 	"unicode/utf8"
 )
@@ -94,21 +95,11 @@ func isAlnum(r rune) bool {
 	return (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (r >= '0' && r <= '9')
 }
 
-// BrokerSideFields names the fields SQS attaches to a delivery rather than to the message,
-// mapped to the reason each one describes the delivery. This adapter puts none of them into
-// Watermill metadata (it does not request system attributes, and it copies only message
-// attributes), but a custom unmarshaler or a user's own code might: none of them may serve as
+// BrokerSideFields (the table internal/brokerside.SQS) names the fields SQS attaches to a delivery rather than to the message,
+// mapped to the reason each one describes the delivery. This adapter puts only
+// ApproximateReceiveCount and SequenceNumber into Watermill metadata (ReceiveCountKey,
+// SequenceNumberKey, for Redelivery), but a custom unmarshaler or a user's own code might put
+// others: none of them may serve as
 // an inbox key, because each either changes on redelivery or is not unique per message. Use
 // it with inbox.MetadataKey's refusal list, which compares names case-insensitively.
-var BrokerSideFields = map[string]string{
-	"ReceiptHandle":                    "SQS issues a new receipt handle on every receive",
-	"ApproximateReceiveCount":          "SQS increments it on every receive",
-	"ApproximateFirstReceiveTimestamp": "it records when the first receive happened, not what the message is",
-	"MessageId":                        "SQS assigns a new MessageId on every SendMessage, so a producer's retry of the same event gets a new one",
-	"SequenceNumber":                   "SQS numbers FIFO messages on every SendMessage, so a producer's retry gets a new number",
-	"SentTimestamp":                    "it records when SQS accepted this send; a producer's retry gets a new one, and messages sent in the same millisecond share it",
-	"SenderId":                         "it identifies the sending IAM principal, shared by every message that principal sends",
-	"MessageGroupId":                   "a FIFO message group is shared by every message of the group",
-	"DeadLetterQueueSourceArn":         "it names the queue a dead-lettered message came from, shared by every message moved from it",
-	"AWSTraceHeader":                   "it carries the X-Ray trace of the send, not the identity of the event",
-}
+var BrokerSideFields = brokerside.SQS

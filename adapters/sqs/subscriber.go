@@ -238,6 +238,11 @@ func (sub *subscription) run() {
 			MaxNumberOfMessages:   n,
 			WaitTimeSeconds:       ceilSeconds(cfg.WaitTime),
 			MessageAttributeNames: []string{"All"},
+			// The receive count and, on FIFO queues, the sequence number feed Redelivery.
+			MessageSystemAttributeNames: []types.MessageSystemAttributeName{
+				types.MessageSystemAttributeNameApproximateReceiveCount,
+				types.MessageSystemAttributeNameSequenceNumber,
+			},
 		}
 		if cfg.VisibilityTimeout > 0 {
 			in.VisibilityTimeout = ceilSeconds(cfg.VisibilityTimeout)

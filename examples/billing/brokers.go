@@ -21,7 +21,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
-	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkafake"
 	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
@@ -50,7 +50,7 @@ const (
 	redeliverAfter = 3 * time.Second
 	// adapterConcurrency is the concurrent deliveries of one consumer's payments on NATS
 	// (SubscribersCount) and SQS (MaxInFlight); Kafka has one per partition
-	// (kafkatest.DefaultPartitions); Redis one per subscription.
+	// (kafkafake.DefaultPartitions); Redis one per subscription.
 	adapterConcurrency = 4
 	// deadLetterReaderGroup is the consumer group the orchestrator reads the dead letters with.
 	deadLetterReaderGroup = "dead_letter_reader"
@@ -134,7 +134,7 @@ func newAdapterBroker(broker, group string, logger watermill.LoggerAdapter) (*ad
 func startLocalBroker(broker string) (env []string, stop func(), err error) {
 	switch broker {
 	case brokerKafka:
-		addrs, stop, err := kafkatest.Start()
+		addrs, stop, err := kafkafake.Start()
 		if err != nil {
 			return nil, nil, err
 		}
@@ -193,7 +193,7 @@ func (a *adapterAdmin) allTopics() []string {
 
 func (a *adapterAdmin) createTopic(topic string) error {
 	if a.name == brokerKafka {
-		return nil // kfake creates a topic on first use (kafkatest.DefaultPartitions partitions)
+		return nil // kfake creates a topic on first use (kafkafake.DefaultPartitions partitions)
 	}
 	if si, ok := a.b.Subscriber.(message.SubscribeInitializer); ok {
 		return si.SubscribeInitialize(topic)
@@ -293,7 +293,7 @@ func (a *adapterAdmin) initBrokerSpecific() error {
 
 // kafkaLag sums, over the partitions of topic, the records after group's committed offset.
 func kafkaLag(addrs []string, group, topic string) (int64, error) {
-	committed, err := kafkatest.TryCommittedOffsets(addrs, group, topic)
+	committed, err := kafkafake.TryCommittedOffsets(addrs, group, topic)
 	if err != nil {
 		return 0, err
 	}

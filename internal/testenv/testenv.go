@@ -15,13 +15,15 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
 )
 
 // DefaultDatabaseURL is used when INBOX_DATABASE_URL is unset.
-const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+const DefaultDatabaseURL = defaults.DatabaseURL
 
 // DefaultAMQPURL is used when INBOX_AMQP_URL is unset.
-const DefaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+const DefaultAMQPURL = defaults.AMQPURL
 
 // DatabaseURL returns INBOX_DATABASE_URL or DefaultDatabaseURL.
 func DatabaseURL() string {
@@ -131,10 +133,10 @@ func RequireAMQP(t testing.TB) string {
 }
 
 // DefaultNATSURL is used when INBOX_NATS_URL is unset.
-const DefaultNATSURL = "nats://127.0.0.1:4222"
+const DefaultNATSURL = defaults.NATSURL
 
 // DefaultRedisURL is used when INBOX_REDIS_URL is unset.
-const DefaultRedisURL = "redis://127.0.0.1:6379/0"
+const DefaultRedisURL = defaults.RedisURL
 
 // NATSURL returns INBOX_NATS_URL or DefaultNATSURL.
 func NATSURL() string {

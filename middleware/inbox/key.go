@@ -1,12 +1,13 @@
 package inbox
 
 import (
-	"errors"
 	"fmt"
 	"strings"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 )
 
 // MaxKeyBytes is the longest message key accepted, in bytes (UTF-8). It keeps the
@@ -42,40 +43,35 @@ type messageUUID struct{}
 func (messageUUID) ExtractKey(msg *message.Message) (string, error) { return msg.UUID, nil }
 func (messageUUID) Source() string                                  { return "message UUID" }
 
-// brokerSideMetadata lists metadata fields set by brokers or Watermill adapters that describe a
-// delivery rather than the message. Names are compared case-insensitively.
+// brokerSideMetadata is the core's own list: broker-neutral names of delivery state. The
+// broker-specific fields live in one table per broker (internal/brokerside), owned by the
+// adapters, which MetadataKey consults as well. Names are compared case-insensitively.
 var brokerSideMetadata = map[string]string{
-	"_watermill_amqp_redelivered": "watermill-amqp sets it on every redelivery (AMQP basic.deliver redelivered flag)",
-	"x-delivery-count":            "RabbitMQ quorum queues count deliveries in it",
-	"x-death":                     "RabbitMQ appends to it on every dead-lettering",
-	"redelivered":                 "AMQP's redelivered flag changes on redelivery",
-	"delivery_tag":                "an AMQP delivery tag numbers deliveries on one channel",
-	"approximatereceivecount":     "SQS increments it on every receive",
-	"receipthandle":               "SQS issues a new receipt handle on every receive",
-	"receipt_handle":              "SQS issues a new receipt handle on every receive",
-	"offset":                      "a Kafka offset is per partition and shifts on replay into another topic",
-	"partition":                   "a Kafka partition number is shared by every message on it",
-	"kafka_offset":                "a Kafka offset is per partition and shifts on replay into another topic",
-	"kafka_partition":             "a Kafka partition number is shared by every message on it",
-	"stream_seq":                  "a stream sequence describes the broker's storage, not the message",
-	"num_delivered":               "NATS JetStream counts deliveries in it",
+	"redelivered":    "a redelivered flag describes one delivery and changes on redelivery",
+	"delivery_count": "a delivery count changes on every redelivery",
+	"delivery_id":    "a delivery ID names one delivery, not the message",
 }
 
 // MetadataKey returns a KeyExtractor that reads the named metadata field, for producers that
 // send a business idempotency key (a payment request ID, an order number) that survives their
-// own retries. It returns an error wrapping ErrBrokerSideKey when field names a known
-// broker-side delivery identifier (watermill-amqp's `_watermill_amqp_redelivered`,
-// RabbitMQ's `x-delivery-count` and `x-death`, SQS's `ApproximateReceiveCount` and receipt
-// handle, Kafka offsets and partitions, NATS delivery counts) or a field named in one of the
-// brokerSide maps (field name to the reason it describes a delivery; each broker adapter
-// exports its own, e.g. adapters/amqp.BrokerSideFields), and one wrapping ErrInvalidConfig
-// when field is empty. Names are compared case-insensitively.
+// own retries. It returns an error wrapping ErrBrokerSideKey when field names a broker-side
+// delivery or storage field: one of the core's broker-neutral names (redelivered,
+// delivery_count, delivery_id), a field any supported adapter documents as broker-side
+// (watermill-amqp's `_watermill_amqp_redelivered`, RabbitMQ's `x-delivery-count` and
+// `x-death`, Kafka's partition and offset, SQS's `ApproximateReceiveCount` and receipt handle,
+// NATS delivery counts, Redis' `times_delivered`: the adapters' BrokerSideFields, whatever
+// the caller passes), or a field named in one of the brokerSide maps (field name to reason,
+// for fields of a custom subscriber). It returns an error wrapping ErrInvalidConfig when
+// field is empty. Names are compared case-insensitively.
 func MetadataKey(field string, brokerSide ...map[string]string) (KeyExtractor, error) {
 	if strings.TrimSpace(field) == "" {
 		return nil, fmt.Errorf("%w: MetadataKey: empty field name", ErrInvalidConfig)
 	}
 	if why, ok := brokerSideMetadata[strings.ToLower(field)]; ok {
 		return nil, fmt.Errorf("%w: %q: %s", ErrBrokerSideKey, field, why)
+	}
+	if broker, why, ok := brokerside.Lookup(field); ok {
+		return nil, fmt.Errorf("%w: %q (%s): %s", ErrBrokerSideKey, field, broker, why)
 	}
 	for _, fields := range brokerSide {
 		for name, why := range fields {
@@ -87,11 +83,24 @@ func MetadataKey(field string, brokerSide ...map[string]string) (KeyExtractor, e
 	return metadataKey{field: field}, nil
 }
 
-// IsBrokerSideField reports whether field is a known broker-side delivery identifier, by the
-// built-in list or one of the brokerSide maps (see MetadataKey).
+// IsBrokerSideField reports whether field is delivery state to remove from a dead letter: one
+// of the core's broker-neutral names, a field an adapter of this module writes into metadata
+// on delivery (brokerside.Delivered: `_watermill_amqp_redelivered`, `x-delivery-count`,
+// `x-death`, `num_delivered`, `ApproximateReceiveCount`, `SequenceNumber`), or a field of one
+// of the brokerSide maps. Names a broker merely reserves (Kafka's "key" or "timestamp") are
+// not removed unless a map names them: MetadataKey refuses them, dead letters keep them.
 func IsBrokerSideField(field string, brokerSide ...map[string]string) bool {
-	_, err := MetadataKey(field, brokerSide...)
-	return errors.Is(err, ErrBrokerSideKey)
+	if _, ok := brokerSideMetadata[strings.ToLower(field)]; ok || brokerside.IsDelivered(field) {
+		return true
+	}
+	for _, fields := range brokerSide {
+		for name := range fields {
+			if strings.EqualFold(name, field) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 type metadataKey struct{ field string }

@@ -1,4 +1,5 @@
-// Package kafkatest runs an in-process Kafka cluster for tests: kfake
+// Package kafkatest runs an in-process Kafka cluster for tests, on package kafkafake (which a
+// program may link; this package imports package testing and belongs in tests only): kfake
 // (github.com/twmb/franz-go/pkg/kfake), a Kafka-protocol broker written in Go, with three
 // brokers and seeded topics. It needs no Kafka installation and no network beyond loopback.
 // Tests never skip: a cluster that cannot start fails the test.
@@ -9,34 +10,39 @@
 package kafkatest
 
 import (
-	"fmt"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkafake"
 )
 
-// NumBrokers is the number of brokers NewCluster starts.
-const NumBrokers = 3
+// Constants and helpers of package kafkafake, the testing-free half of this package.
+const (
+	NumBrokers        = kafkafake.NumBrokers
+	DefaultPartitions = kafkafake.DefaultPartitions
+	MinSessionTimeout = kafkafake.MinSessionTimeout
+)
 
-// DefaultPartitions is the partition count of a topic the cluster creates on first use: a
-// producer or consumer asking for the metadata of a topic that does not exist creates it
-// (Kafka's auto.create.topics.enable). Four, so four members of one consumer group can each
-// own a partition.
-const DefaultPartitions = 4
+// Topic is a topic to create with the cluster (kafkafake.Topic).
+type Topic = kafkafake.Topic
 
-// MinSessionTimeout is the cluster's group.min.session.timeout.ms: lower than Kafka's 6 s, so
-// tests can use short consumer-group session timeouts and see a killed consumer leave fast.
-const MinSessionTimeout = 100 * time.Millisecond
+// Start is kafkafake.Start.
+func Start(topics ...Topic) (addrs []string, stop func(), err error) {
+	return kafkafake.Start(topics...)
+}
 
-// Topic is a topic to create with the cluster.
-type Topic struct {
-	// Name of the topic.
-	Name string
-	// Partitions is the number of partitions (at least 1).
-	Partitions int32
+// KeyForPartition is kafkafake.KeyForPartition.
+func KeyForPartition(partition, partitions int32) string {
+	return kafkafake.KeyForPartition(partition, partitions)
+}
+
+// TryCommittedOffsets is CommittedOffsets returning its error, for polling while the group
+// rebalances (kafkafake.TryCommittedOffsets).
+func TryCommittedOffsets(addrs []string, group, topic string) (map[int32]int64, error) {
+	return kafkafake.TryCommittedOffsets(addrs, group, topic)
 }
 
 // Cluster is a running kfake cluster. It is closed when the test that created it ends.
@@ -50,7 +56,7 @@ type Cluster struct {
 // DefaultPartitions partitions. It fails t if the cluster cannot start.
 func NewCluster(t testing.TB, topics ...Topic) *Cluster {
 	t.Helper()
-	opts, err := clusterOpts(topics)
+	opts, err := kafkafake.ClusterOpts(topics)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,54 +68,8 @@ func NewCluster(t testing.TB, topics ...Topic) *Cluster {
 	return &Cluster{Cluster: c, addrs: c.ListenAddrs()}
 }
 
-// clusterOpts are the options of the clusters NewCluster and Start start.
-func clusterOpts(topics []Topic) ([]kfake.Opt, error) {
-	opts := []kfake.Opt{
-		kfake.NumBrokers(NumBrokers),
-		kfake.GroupMinSessionTimeout(MinSessionTimeout),
-		kfake.AllowAutoTopicCreation(),
-		kfake.DefaultNumPartitions(DefaultPartitions),
-	}
-	for _, tp := range topics {
-		if tp.Name == "" || tp.Partitions < 1 {
-			return nil, fmt.Errorf("kafkatest: invalid topic %+v", tp)
-		}
-		opts = append(opts, kfake.SeedTopics(tp.Partitions, tp.Name))
-	}
-	return opts, nil
-}
-
-// Start starts a cluster like NewCluster's, outside a test (e.g. the demo, examples/billing,
-// which passes the addresses to its child processes): it returns the brokers' "host:port"
-// addresses and a function that stops the cluster.
-func Start(topics ...Topic) (addrs []string, stop func(), err error) {
-	opts, err := clusterOpts(topics)
-	if err != nil {
-		return nil, nil, err
-	}
-	c, err := kfake.NewCluster(opts...)
-	if err != nil {
-		return nil, nil, fmt.Errorf("kafkatest: start kfake: %w", err)
-	}
-	return c.ListenAddrs(), c.Close, nil
-}
-
 // Addrs returns the brokers' "host:port" addresses, for Config.Brokers.
 func (c *Cluster) Addrs() []string { return slices.Clone(c.addrs) }
-
-// KeyForPartition returns a record key that sarama's default hash partitioner (FNV-1a of the
-// key, modulo the partition count) sends to partition of a topic with partitions partitions.
-// Keys are "key-<n>" for the smallest n that fits, so they are stable.
-func KeyForPartition(partition, partitions int32) string {
-	hp := sarama.NewHashPartitioner("")
-	for n := 0; ; n++ {
-		key := fmt.Sprintf("key-%d", n)
-		p, err := hp.Partition(&sarama.ProducerMessage{Key: sarama.StringEncoder(key)}, partitions)
-		if err == nil && p == partition {
-			return key
-		}
-	}
-}
 
 // CommittedOffsets returns the consumer group's committed offset (the next offset it will
 // read) per partition of topic; a partition without a committed offset is absent. It fails t
@@ -123,38 +83,11 @@ func CommittedOffsets(t testing.TB, addrs []string, group, topic string) map[int
 	return out
 }
 
-// TryCommittedOffsets is CommittedOffsets returning its error, for polling while the group
-// rebalances.
-func TryCommittedOffsets(addrs []string, group, topic string) (map[int32]int64, error) {
-	admin, err := sarama.NewClusterAdmin(addrs, saramaConfig())
-	if err != nil {
-		return nil, fmt.Errorf("cluster admin: %w", err)
-	}
-	defer func() { _ = admin.Close() }()
-	resp, err := admin.ListConsumerGroupOffsets(group, nil)
-	if err != nil {
-		return nil, fmt.Errorf("list offsets of group %s: %w", group, err)
-	}
-	if resp.Err != sarama.ErrNoError {
-		return nil, fmt.Errorf("list offsets of group %s: %w", group, resp.Err)
-	}
-	out := map[int32]int64{}
-	for p, b := range resp.Blocks[topic] {
-		if b.Err != sarama.ErrNoError {
-			return nil, fmt.Errorf("offset of %s/%d: %w", topic, p, b.Err)
-		}
-		if b.Offset >= 0 {
-			out[p] = b.Offset
-		}
-	}
-	return out, nil
-}
-
 // EndOffsets returns the next offset to be written (the high watermark) per partition of
 // topic, i.e. how many records each partition holds. It fails t on error.
 func EndOffsets(t testing.TB, addrs []string, topic string) map[int32]int64 {
 	t.Helper()
-	client, err := sarama.NewClient(addrs, saramaConfig())
+	client, err := sarama.NewClient(addrs, kafkafake.SaramaConfig())
 	if err != nil {
 		t.Fatalf("kafkatest: client: %v", err)
 	}
@@ -172,10 +105,4 @@ func EndOffsets(t testing.TB, addrs []string, topic string) map[int32]int64 {
 		out[p] = off
 	}
 	return out
-}
-
-func saramaConfig() *sarama.Config {
-	c := sarama.NewConfig()
-	c.ClientID = "kafkatest"
-	return c
 }
