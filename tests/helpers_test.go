@@ -1,5 +1,7 @@
 // Package tests holds the crash and real-broker integration tests of the inbox: PostgreSQL and
-// RabbitMQ must be running (see internal/testenv); a missing service fails the test.
+// RabbitMQ must be running (see internal/testenv); a missing service fails the test, and
+// under go test -short every test here skips. The two tests that restart PostgreSQL or
+// RabbitMQ run only with INBOX_TEST_RESTART_SERVICES=1 (make test sets it).
 //
 // This file holds the helpers shared by crash_test.go, redelivery_test.go and
 // pgrestart_test.go: the bank schema the handler updates, the consumer (Watermill router + the
