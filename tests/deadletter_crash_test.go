@@ -249,7 +249,8 @@ func TestDeadLetterPublishFailureNacksUntilRecovered(t *testing.T) {
 	w := &dlWorld{schema: testenv.NewSchema(t, 4), rabbit: newRabbitAdmin(t)}
 	setupDeadLetterBank(t, w.schema, 1)
 	w.queue = w.rabbit.newQueue(t)
-	dlq := w.rabbit.newQueueWithArgs(t, map[string]any{"x-max-length": int32(1), "x-overflow": "reject-publish"})
+	dlqArgs := map[string]any{"x-max-length": int32(1), "x-overflow": "reject-publish"}
+	dlq := w.rabbit.newQueueWithArgs(t, dlqArgs)
 	plug := message.NewMessage("plug-"+watermill.NewUUID(), []byte("plug"))
 	w.rabbit.publish(t, dlq, plug)
 	if err := w.rabbit.pub.Publish(dlq, message.NewMessage(watermill.NewUUID(), []byte("probe"))); err == nil {
@@ -269,8 +270,9 @@ func TestDeadLetterPublishFailureNacksUntilRecovered(t *testing.T) {
 				return errLedger
 			},
 		},
-		DeadLetterQueue: dlq,
-		MaxAttempts:     1,
+		DeadLetterQueue:     dlq,
+		DeadLetterQueueArgs: dlqArgs,
+		MaxAttempts:         1,
 	})
 	msg := paymentMsg(t, watermill.NewUUID(), 1, 5)
 	id := msg.UUID

@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -82,24 +81,25 @@ var errLedger = errors.New("ledger rejected the entry")
 type dlConsumerConfig struct {
 	consumerConfig
 	DeadLetterQueue string
+	// DeadLetterQueueArgs are the queue arguments DeadLetterQueue was declared with beyond
+	// amqpConfig's (newQueueWithArgs' extra): the dead-letter publisher declares the queue
+	// before its first publish and must declare it alike.
+	DeadLetterQueueArgs map[string]any
 	// MaxAttempts of the inbox; 0 takes the inbox default.
 	MaxAttempts int
 }
 
 // startDLConsumer runs startConsumer on cfg.Queue with one bank handler, dlHandlerName,
-// behind an inbox whose dead-letter publisher is a real watermill-amqp publisher (publisher
-// confirms) to cfg.DeadLetterQueue, and a 50 ms pause before a nack (a requeued message is
+// behind an inbox whose dead-letter publisher is the RabbitMQ adapter's (publisher confirms;
+// it declares cfg.DeadLetterQueue before its first publish) to cfg.DeadLetterQueue, and a 50 ms pause before a nack (a requeued message is
 // redelivered at once). The consumer is closed when t ends.
 func startDLConsumer(t testing.TB, cfg dlConsumerConfig) *consumer {
 	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = watermill.NopLogger{}
 	}
-	dlPub, err := amqp.NewPublisher(amqpQueueConfig(cfg.AMQPURL), cfg.Logger)
-	if err != nil {
-		t.Fatalf("dead-letter publisher: %v", err)
-	}
-	t.Cleanup(func() { _ = dlPub.Close() }) // registered first: runs after the router closed
+	// Registered first: closed after the router closed.
+	dlPub := newAMQPBroker(t, cfg.AMQPURL, cfg.DeadLetterQueueArgs, cfg.Logger).Publisher
 	cc := cfg.consumerConfig
 	cc.InboxConfig = inbox.Config{
 		DeadLetterPublisher: dlPub,

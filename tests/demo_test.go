@@ -33,6 +33,7 @@ import (
 // TestDemoBilling runs the demo on every broker, one subtest each (the demo binary is built
 // once).
 func TestDemoBilling(t *testing.T) {
+	testenv.SkipShort(t, "PostgreSQL") // before building the demo: every broker's run needs it
 	bin := demoBuild(t)
 	for _, tc := range []struct {
 		broker string

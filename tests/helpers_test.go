@@ -1,10 +1,12 @@
 // Package tests holds the crash and real-broker integration tests of the inbox: PostgreSQL and
-// RabbitMQ must be running (see internal/testenv); a missing service fails the test.
+// RabbitMQ must be running (see internal/testenv); a missing service fails the test, and
+// under go test -short every test here skips. The two tests that restart PostgreSQL or
+// RabbitMQ run only with INBOX_TEST_RESTART_SERVICES=1 (make test sets it).
 //
 // This file holds the helpers shared by crash_test.go, redelivery_test.go and
 // pgrestart_test.go: the bank schema the handler updates, the consumer (Watermill router + the
-// inbox middleware + pgstore + watermill-amqp), the RabbitMQ admin connection, and the child
-// consumer process that crash tests kill with SIGKILL.
+// inbox middleware + pgstore + the project's RabbitMQ adapter, adapters/amqp), the RabbitMQ
+// admin connection, and the child consumer process that crash tests kill with SIGKILL.
 package tests
 
 import (
@@ -30,6 +32,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	adamqp "github.com/watermill-inbox/watermill-inbox/adapters/amqp"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -124,18 +128,43 @@ const ackGrace = 200 * time.Millisecond
 // ---------------------------------------------------------------------------------------------
 // RabbitMQ
 
-// amqpQueueConfig is watermill-amqp's durable queue config (default exchange, durable queue
-// named after the topic, persistent messages, prefetch 1, Nack requeues) with publisher
-// confirms, so Publish returns only once RabbitMQ holds the message. Queues expire after ten
-// idle minutes should a test process die before its cleanup deletes them.
-func amqpQueueConfig(url string) amqp.Config {
-	cfg := amqp.NewDurableQueueConfig(url)
-	cfg.Publish.ConfirmDelivery = true
-	cfg.Queue.Arguments = map[string]any{"x-expires": int32(10 * 60 * 1000)}
-	return cfg
+// amqpConfig is the configuration of the project's RabbitMQ adapter (adapters/amqp) that the
+// consumers and publishers of these tests use: durable queues named after the topic,
+// persistent messages, publisher confirms (Publish returns only once RabbitMQ holds the
+// message), Nack requeues, and prefetch 1, as watermill-amqp's durable queue config has it: a
+// consumer holds at most one unacked delivery, which the crash tests' redelivery counts rely
+// on. Queues expire after ten idle minutes should a test process die before its cleanup
+// deletes them; extra adds queue arguments (the adapter's publisher declares a queue before
+// its first publish to it, with these arguments, so they must match the queue's).
+func amqpConfig(url string, extra map[string]any) adamqp.Config {
+	args := map[string]any{"x-expires": int32(10 * 60 * 1000)}
+	for k, v := range extra {
+		args[k] = v
+	}
+	return adamqp.Config{URL: url, Prefetch: 1, QueueArguments: args, DeclareGroups: []string{""}}
 }
 
-// rabbitAdmin declares, inspects and deletes queues and publishes to them.
+// amqpQueueConfig is amqpConfig(url, nil) as watermill-amqp configuration, for the admin's
+// raw publisher and for decoding a basic.get with the adapter's marshaler.
+func amqpQueueConfig(url string) amqp.Config {
+	return amqpConfig(url, nil).WatermillConfig("")
+}
+
+// newAMQPBroker returns the project's RabbitMQ adapter on url with amqpConfig(url, extra),
+// closed when t ends (after whatever router closed its subscriber: closing twice is harmless).
+func newAMQPBroker(t testing.TB, url string, extra map[string]any, logger watermill.LoggerAdapter) *adapters.Broker {
+	t.Helper()
+	b, err := adamqp.New(amqpConfig(url, extra), logger)
+	if err != nil {
+		t.Fatalf("amqp adapter: %v", err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	return b
+}
+
+// rabbitAdmin declares, inspects and deletes queues and publishes to them. Its publisher is
+// watermill-amqp's own, which does not declare queues: it publishes to queues declared with
+// any arguments (a length-limited dead-letter queue) without a mismatching declare.
 type rabbitAdmin struct {
 	url  string
 	conn *amqp.ConnectionWrapper
@@ -230,7 +259,7 @@ func (r *rabbitAdmin) publish(t testing.TB, queue string, msgs ...*message.Messa
 }
 
 // ---------------------------------------------------------------------------------------------
-// The consumer: router + inbox + pgstore + watermill-amqp.
+// The consumer: router + inbox + pgstore + the project's RabbitMQ adapter (adapters/amqp).
 
 // consumerConfig configures startConsumer.
 type consumerConfig struct {
@@ -352,10 +381,7 @@ func startConsumer(t testing.TB, cfg consumerConfig) *consumer {
 	if err != nil {
 		t.Fatalf("inbox.New: %v", err)
 	}
-	sub, err := amqp.NewSubscriber(amqpQueueConfig(cfg.AMQPURL), cfg.Logger)
-	if err != nil {
-		t.Fatalf("amqp subscriber: %v", err)
-	}
+	sub := newAMQPBroker(t, cfg.AMQPURL, nil, cfg.Logger).Subscriber
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, cfg.Logger)
 	if err != nil {
 		t.Fatalf("router: %v", err)

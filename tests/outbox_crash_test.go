@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
@@ -149,11 +148,7 @@ func TestOutboxCrashAfterCommitThenRelayTwice(t *testing.T) {
 
 	// 4. Downstream inbox + three relays at once.
 	down := obStartDownstream(t, schema.Pool, schema.Name, rabbit.url, downQueue)
-	pub, err := amqp.NewPublisher(amqpQueueConfig(rabbit.url), watermill.NopLogger{})
-	if err != nil {
-		t.Fatalf("amqp publisher: %v", err)
-	}
-	t.Cleanup(func() { _ = pub.Close() })
+	pub := newAMQPBroker(t, rabbit.url, nil, watermill.NopLogger{}).Publisher
 	relayLog := &countingLogger{}
 	relays := []*obRunningRelay{
 		obStartRelay(t, obRelayConfig(schema.Pool, pub, ""), relayLog),

@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -161,10 +160,7 @@ func obStartDownstream(t testing.TB, pool *pgxpool.Pool, schema, amqpURL, queue 
 	if err != nil {
 		t.Fatalf("inbox.New: %v", err)
 	}
-	sub, err := amqp.NewSubscriber(amqpQueueConfig(amqpURL), watermill.NopLogger{})
-	if err != nil {
-		t.Fatalf("amqp subscriber: %v", err)
-	}
+	sub := newAMQPBroker(t, amqpURL, nil, watermill.NopLogger{}).Subscriber
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatalf("router: %v", err)
@@ -306,11 +302,7 @@ func TestHelperOutboxChild(t *testing.T) {
 			return fmt.Sprintf("STATS processed=%d duplicates=%d failed=%d", st.Processed, st.Duplicates, st.Failed)
 		}
 	case "relay":
-		pub, err := amqp.NewPublisher(amqpQueueConfig(amqpURL), logger)
-		if err != nil {
-			t.Fatalf("amqp publisher: %v", err)
-		}
-		defer pub.Close()
+		pub := newAMQPBroker(t, amqpURL, nil, logger).Publisher
 		var forwarded atomic.Int64
 		mw := []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {

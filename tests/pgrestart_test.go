@@ -65,10 +65,13 @@ func waitPostgresReady(t testing.TB, dsn string, timeout time.Duration) {
 // returns the error, the router nacks and RabbitMQ requeues; the pgx pool replaces its dead
 // connections; every message still ends processed exactly once.
 //
-// It restarts the shared PostgreSQL server: it must not run beside other tests using it (not
-// t.Parallel; the Makefile runs packages with -p 1), and it waits for PostgreSQL to be back
-// before it ends, even when it fails.
+// It restarts the shared PostgreSQL server, so it runs only when asked to: with
+// INBOX_TEST_RESTART_SERVICES=1 (testenv.EnvRestartServices), which make test sets; otherwise
+// it skips. It must not run beside other tests using the server (not t.Parallel; the Makefile
+// runs packages with -p 1), and it waits for PostgreSQL to be back before it ends, even when
+// it fails.
 func TestPostgresRestartMidStream(t *testing.T) {
+	testenv.RequireRestartOptIn(t, "PostgreSQL")
 	streamThroughOutage(t, "PostgreSQL", func(t *testing.T, schema *testenv.Schema) time.Duration {
 		took := restartPostgres(t)
 		waitPostgresReady(t, schema.URL, 30*time.Second)

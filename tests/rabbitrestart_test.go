@@ -23,9 +23,12 @@ import (
 // whose transaction had committed, which the inbox skips as duplicates. Every message still
 // ends processed exactly once.
 //
-// It restarts the machine's RabbitMQ: like the PostgreSQL restart it must not run beside other
-// tests using it (the Makefile runs packages with -p 1).
+// It restarts the machine's RabbitMQ, so it runs only when asked to: with
+// INBOX_TEST_RESTART_SERVICES=1 (testenv.EnvRestartServices), which make test sets; otherwise
+// it skips. Like the PostgreSQL restart it must not run beside other tests using the broker
+// (the Makefile runs packages with -p 1).
 func TestRabbitMQRestartMidStream(t *testing.T) {
+	testenv.RequireRestartOptIn(t, "RabbitMQ")
 	streamThroughOutage(t, "RabbitMQ", func(t *testing.T, _ *testenv.Schema) time.Duration {
 		t.Cleanup(func() { waitRabbitReady(t, 60*time.Second) })
 		start := time.Now()

@@ -7,6 +7,10 @@
 //
 //	func TestGuarantees(t *testing.T) { adaptertest.Run(t, harness) }
 //	func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness) } // the crash child
+//
+// The matrix needs PostgreSQL (INBOX_DATABASE_URL) and the broker. It follows package
+// inboxtest's rule: under go test -short it skips; otherwise a missing PostgreSQL fails it.
+// It imports nothing internal to this repository, so an adapter in another module can run it.
 package adaptertest
 
 import (
@@ -17,8 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
-	"strconv"
+	"os/signal"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -29,7 +32,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
-	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/inboxtest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -60,6 +63,9 @@ const (
 
 const consumerName = "matrix"
 
+// readyLine starts the line a child prints once its consumer runs, followed by its pid.
+const readyLine = "READY "
+
 const schemaSQL = `
 CREATE TABLE handler_runs (message_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE TABLE deliveries (message_id text NOT NULL, pid int NOT NULL);
@@ -86,7 +92,7 @@ func randomName(prefix string) string {
 type fixture struct {
 	t      *testing.T
 	h      Harness
-	sch    *testenv.Schema
+	sch    *inboxtest.Schema
 	store  *pgstore.Store
 	broker *adapters.Broker
 	topic  string
@@ -95,7 +101,7 @@ type fixture struct {
 
 func newFixture(t *testing.T, h Harness) *fixture {
 	t.Helper()
-	sch := testenv.NewSchema(t, 16)
+	sch := inboxtest.NewSchema(t, 16)
 	store := sch.Store(t)
 	sch.CreateAccounts(t, 5)
 	sch.Exec(t, schemaSQL)
@@ -325,19 +331,16 @@ func crashBetweenCommitAndAck(t *testing.T, h Harness) {
 	_ = f.broker.Close() // the parent only publishes; the children consume
 
 	first := f.startChild("pay-crash")
-	err := first.Wait()
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+	if err := first.WaitExit(t, f.h.Timeout); !inboxtest.KilledBySIGKILL(err) {
 		t.Fatalf("first child ended with %v, want death by SIGKILL at the injected point", err)
 	}
 	if n := f.count("SELECT count(*) FROM inbox_processed_messages WHERE message_id = 'pay-crash'"); n != 1 {
 		t.Fatalf("the crashed delivery's claim is not committed (%d rows)", n)
 	}
-	second := f.startChild("")
-	defer func() { _ = second.Process.Kill(); _, _ = second.Process.Wait() }()
+	second := f.startChild("") // killed when t ends
 	f.waitFor("all three payments, and the crashed one redelivered", func() bool {
 		return f.count("SELECT count(*) FROM inbox_processed_messages") == 3 &&
-			f.count("SELECT count(*) FROM deliveries WHERE message_id = 'pay-crash' AND pid = $1", second.Process.Pid) >= 1
+			f.count("SELECT count(*) FROM deliveries WHERE message_id = 'pay-crash' AND pid = $1", second.Pid()) >= 1
 	})
 	if b := f.count("SELECT balance FROM accounts WHERE id = 4"); b != 111 {
 		t.Fatalf("balance %d, want 111 (each payment once)", b)
@@ -347,25 +350,27 @@ func crashBetweenCommitAndAck(t *testing.T, h Harness) {
 	}
 }
 
-func (f *fixture) startChild(crash string) *exec.Cmd {
+// startChild re-executes the test binary to run h.ChildTest as a consumer of the fixture's
+// topic that SIGKILLs itself after the inbox committed message crash (never when crash is
+// empty). It does not wait for the child's READY line: the child may consume, and kill
+// itself, before it prints it. The child is killed when the test ends.
+func (f *fixture) startChild(crash string) *inboxtest.Child {
 	f.t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^"+f.h.ChildTest+"$", "-test.count=1")
-	cmd.Env = append(os.Environ(), f.h.Env...)
-	cmd.Env = append(cmd.Env, envChild+"=1", envDB+"="+f.sch.URL, envSch+"="+f.sch.Name, envTopic+"="+f.topic, envGroup+"="+f.group, envCrash+"="+crash)
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	if err := cmd.Start(); err != nil {
-		f.t.Fatal(err)
-	}
-	return cmd
+	env := append(append([]string{}, f.h.Env...),
+		envChild+"=1", envDB+"="+f.sch.URL, envSch+"="+f.sch.Name, envTopic+"="+f.topic, envGroup+"="+f.group, envCrash+"="+crash)
+	return inboxtest.StartChild(f.t, f.h.ChildTest, env)
 }
 
 // Child is the crash test's consumer process. It returns at once unless the test binary was
-// started by the matrix; then it consumes until killed, or for at most 60 s.
+// started by the matrix; then it prints a READY line once its router runs and consumes until
+// it is killed, gets SIGTERM, or has run for inboxtest.ChildMaxLifetime (which fails it).
 func Child(t *testing.T, h Harness) {
 	if os.Getenv(envChild) != "1" {
 		return
 	}
-	pool := testenv.NewPool(t, os.Getenv(envDB), 8)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	pool := inboxtest.NewPool(t, os.Getenv(envDB), 8)
 	b, err := h.NewBroker(pool, os.Getenv(envGroup))
 	if err != nil {
 		t.Fatalf("child: broker: %v", err)
@@ -378,7 +383,8 @@ func Child(t *testing.T, h Harness) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	consumer(t, pool, b, os.Getenv(envTopic), ib, 1, os.Getenv(envCrash), 0)
-	time.Sleep(60 * time.Second)
-	t.Log("child: exiting after 60 s; pid " + strconv.Itoa(os.Getpid()))
+	r := consumer(t, pool, b, os.Getenv(envTopic), ib, 1, os.Getenv(envCrash), 0)
+	fmt.Printf("%s%d\n", readyLine, os.Getpid())
+	inboxtest.WaitChildStop(t, ctx, "adaptertest child")
+	_ = r.Close()
 }

@@ -13,7 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/inboxtest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -28,7 +28,7 @@ func Benchmark(b *testing.B, h Harness, handlers int) {
 	if h.Timeout == 0 {
 		h.Timeout = 60 * time.Second
 	}
-	sch := testenv.NewSchema(b, 24)
+	sch := inboxtest.NewSchema(b, 24)
 	store := sch.Store(b)
 	sch.CreateAccounts(b, 1000)
 	var ib *inbox.Inbox

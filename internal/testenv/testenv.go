@@ -1,200 +1,119 @@
-// Package testenv connects tests to the real services on the machine: PostgreSQL, RabbitMQ,
-// NATS JetStream and Redis.
-// A missing service fails the test with a hint on how to start it; it never skips.
+// Package testenv connects this repository's tests to the real services on the machine:
+// PostgreSQL, RabbitMQ, NATS JetStream and Redis. Most of it is a thin layer over the public
+// package inboxtest (which package adaptertest uses too, so that adapters outside this
+// repository follow the same rules); what stays here is for this repository only: the
+// fault-injecting TCP proxy, the router runner and the opt-in for tests that restart a service.
+//
+// Under go test -short every test that needs a service skips; otherwise a missing service
+// fails the test with a hint on how to start it, and never skips (CI=true included).
 package testenv
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"net"
 	"net/url"
 	"os"
+	"strconv"
 	"testing"
-	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
+	"github.com/watermill-inbox/watermill-inbox/inboxtest"
 )
 
-// DefaultDatabaseURL is used when INBOX_DATABASE_URL is unset.
-const DefaultDatabaseURL = defaults.DatabaseURL
+// DefaultDatabaseURL is used when INBOX_DATABASE_URL is unset (inboxtest.DefaultDatabaseURL).
+const DefaultDatabaseURL = inboxtest.DefaultDatabaseURL
 
-// DefaultAMQPURL is used when INBOX_AMQP_URL is unset.
-const DefaultAMQPURL = defaults.AMQPURL
+// DefaultAMQPURL is used when INBOX_AMQP_URL is unset (inboxtest.DefaultAMQPURL).
+const DefaultAMQPURL = inboxtest.DefaultAMQPURL
+
+// DefaultNATSURL is used when INBOX_NATS_URL is unset (inboxtest.DefaultNATSURL).
+const DefaultNATSURL = inboxtest.DefaultNATSURL
+
+// DefaultRedisURL is used when INBOX_REDIS_URL is unset (inboxtest.DefaultRedisURL).
+const DefaultRedisURL = inboxtest.DefaultRedisURL
 
 // DatabaseURL returns INBOX_DATABASE_URL or DefaultDatabaseURL.
-func DatabaseURL() string {
-	if v := os.Getenv("INBOX_DATABASE_URL"); v != "" {
-		return v
-	}
-	return DefaultDatabaseURL
-}
+func DatabaseURL() string { return inboxtest.DatabaseURL() }
 
 // AMQPURL returns INBOX_AMQP_URL or DefaultAMQPURL.
-func AMQPURL() string {
-	if v := os.Getenv("INBOX_AMQP_URL"); v != "" {
-		return v
-	}
-	return DefaultAMQPURL
-}
+func AMQPURL() string { return inboxtest.AMQPURL() }
 
-// Schema is a fresh PostgreSQL schema for one test, dropped when the test ends.
-type Schema struct {
-	// Name is the unquoted schema name, e.g. "t_3f9a1c2b7e".
-	Name string
-	// URL is DatabaseURL with search_path set to Name, for child processes.
-	URL string
-	// Pool connects with search_path = Name.
-	Pool *pgxpool.Pool
-}
+// NATSURL returns INBOX_NATS_URL or DefaultNATSURL.
+func NATSURL() string { return inboxtest.NATSURL() }
 
-// NewSchema creates a uniquely named schema, returns a pool of maxConns connections whose
-// search_path is that schema, and drops the schema (CASCADE) when t ends. It fails t when
+// RedisURL returns INBOX_REDIS_URL or DefaultRedisURL.
+func RedisURL() string { return inboxtest.RedisURL() }
+
+// Schema is a fresh PostgreSQL schema for one test, dropped when the test ends
+// (inboxtest.Schema, with its Store, Exec and CreateAccounts methods).
+type Schema = inboxtest.Schema
+
+// NewSchema is inboxtest.NewSchema: a uniquely named schema and a pool of maxConns
+// connections on it, dropped when t ends; it skips t under -short and fails t when
 // PostgreSQL is unreachable.
 func NewSchema(t testing.TB, maxConns int32) *Schema {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	admin, err := pgx.Connect(ctx, DatabaseURL())
-	if err != nil {
-		t.Fatalf("PostgreSQL is not reachable at INBOX_DATABASE_URL=%q: %v\nif it is down, start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start; if the database or role is missing, see the README's quick start", redact(DatabaseURL()), err)
-	}
-	defer admin.Close(context.Background())
-	var b [5]byte
-	_, _ = rand.Read(b[:])
-	name := "t_" + hex.EncodeToString(b[:])
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
-		t.Fatalf("create schema: %v", err)
-	}
-	u, err := url.Parse(DatabaseURL())
-	if err != nil {
-		t.Fatalf("parse INBOX_DATABASE_URL: %v", err)
-	}
-	q := u.Query()
-	q.Set("search_path", name)
-	u.RawQuery = q.Encode()
-	s := &Schema{Name: name, URL: u.String()}
-	s.Pool = NewPool(t, s.URL, maxConns)
-	t.Cleanup(func() {
-		s.Pool.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		c, err := pgx.Connect(ctx, DatabaseURL())
-		if err != nil {
-			t.Errorf("drop schema %s: %v", name, err)
-			return
-		}
-		defer c.Close(ctx)
-		if _, err := c.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{name}.Sanitize()+" CASCADE"); err != nil {
-			t.Errorf("drop schema %s: %v", name, err)
-		}
-	})
-	return s
+	return inboxtest.NewSchema(t, maxConns)
 }
 
-// NewPool opens a pool of maxConns connections on dsn and closes it when t ends.
+// NewPool is inboxtest.NewPool: a pool of maxConns connections on dsn, closed when t ends; it
+// skips t under -short and fails t when PostgreSQL is unreachable.
 func NewPool(t testing.TB, dsn string, maxConns int32) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(dsn)
-	if err != nil {
-		t.Fatalf("parse database URL: %v", err)
-	}
-	cfg.MaxConns = maxConns
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		t.Fatalf("PostgreSQL is not reachable at %q: %v", redact(dsn), err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
+	return inboxtest.NewPool(t, dsn, maxConns)
 }
 
-// RequireAMQP fails t when RabbitMQ does not accept TCP connections at AMQPURL.
+// SkipShort skips t under -short, naming the service it needs (inboxtest.SkipShort).
+func SkipShort(t testing.TB, service string) {
+	t.Helper()
+	inboxtest.SkipShort(t, service)
+}
+
+// RequireAMQP returns AMQPURL; it skips t under -short and fails t when RabbitMQ is
+// unreachable (inboxtest.RequireAMQP).
 func RequireAMQP(t testing.TB) string {
 	t.Helper()
-	u, err := url.Parse(AMQPURL())
-	if err != nil {
-		t.Fatalf("parse INBOX_AMQP_URL: %v", err)
-	}
-	c, err := net.DialTimeout("tcp", u.Host, 5*time.Second)
-	if err != nil {
-		t.Fatalf("RabbitMQ is not reachable at %s: %v\nstart it with: rabbitmq-server -detached", u.Host, err)
-	}
-	_ = c.Close()
-	return AMQPURL()
+	return inboxtest.RequireAMQP(t)
 }
 
-// DefaultNATSURL is used when INBOX_NATS_URL is unset.
-const DefaultNATSURL = defaults.NATSURL
-
-// DefaultRedisURL is used when INBOX_REDIS_URL is unset.
-const DefaultRedisURL = defaults.RedisURL
-
-// NATSURL returns INBOX_NATS_URL or DefaultNATSURL.
-func NATSURL() string {
-	if v := os.Getenv("INBOX_NATS_URL"); v != "" {
-		return v
-	}
-	return DefaultNATSURL
-}
-
-// RedisURL returns INBOX_REDIS_URL or DefaultRedisURL.
-func RedisURL() string {
-	if v := os.Getenv("INBOX_REDIS_URL"); v != "" {
-		return v
-	}
-	return DefaultRedisURL
-}
-
-// RequireNATS fails t when the NATS server does not accept TCP connections at NATSURL.
-// Whether JetStream is on is checked by the adapter, which fails to connect without it.
+// RequireNATS returns NATSURL; it skips t under -short and fails t when NATS is unreachable
+// (inboxtest.RequireNATS).
 func RequireNATS(t testing.TB) string {
 	t.Helper()
-	requireTCP(t, "NATS", NATSURL(), "4222",
-		"start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log")
-	return NATSURL()
+	return inboxtest.RequireNATS(t)
 }
 
-// RequireRedis fails t when Redis does not accept TCP connections at RedisURL.
+// RequireRedis returns RedisURL; it skips t under -short and fails t when Redis is
+// unreachable (inboxtest.RequireRedis).
 func RequireRedis(t testing.TB) string {
 	t.Helper()
-	requireTCP(t, "Redis", RedisURL(), "6379",
-		`redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log`)
-	return RedisURL()
+	return inboxtest.RequireRedis(t)
 }
 
-func requireTCP(t testing.TB, what, raw, defaultPort, start string) {
+// Child is a running child test process (inboxtest.Child).
+type Child = inboxtest.Child
+
+// ChildMaxLifetime bounds how long a child started by StartChild may run
+// (inboxtest.ChildMaxLifetime).
+const ChildMaxLifetime = inboxtest.ChildMaxLifetime
+
+// StartChild re-executes the test binary to run only testName with the extra environment env
+// ("KEY=value"), and kills it when t ends (inboxtest.StartChild).
+func StartChild(t testing.TB, testName string, env []string) *Child {
 	t.Helper()
-	u, err := url.Parse(raw)
-	if err != nil || u.Hostname() == "" {
-		t.Fatalf("%s URL %q is not a URL with a host", what, redact(raw))
-	}
-	host := u.Host
-	if u.Port() == "" {
-		host = net.JoinHostPort(u.Hostname(), defaultPort)
-	}
-	c, err := net.DialTimeout("tcp", host, 5*time.Second)
-	if err != nil {
-		t.Fatalf("%s is not reachable at %s: %v\nstart it with: %s", what, host, err, start)
-	}
-	_ = c.Close()
+	return inboxtest.StartChild(t, testName, env)
 }
 
-// redact removes the password from a URL for error messages.
-func redact(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "<unparseable URL>"
-	}
-	return u.Redacted()
+// KilledBySIGKILL reports whether a cmd.Wait error says the process died of SIGKILL
+// (inboxtest.KilledBySIGKILL).
+func KilledBySIGKILL(err error) bool { return inboxtest.KilledBySIGKILL(err) }
+
+// WaitChildStop is the waiting part of a child's test function: it returns when ctx is done,
+// and fails t when the parent is gone or ChildMaxLifetime passed (inboxtest.WaitChildStop).
+func WaitChildStop(t testing.TB, ctx context.Context, what string) {
+	t.Helper()
+	inboxtest.WaitChildStop(t, ctx, what)
 }
 
 // WithHost returns dsn with its host:port replaced by hostport (e.g. a Proxy's Addr).
@@ -219,4 +138,25 @@ func DatabaseHostPort(t testing.TB) string {
 		return net.JoinHostPort(u.Hostname(), "5432")
 	}
 	return u.Host
+}
+
+// EnvRestartServices is the environment variable that lets tests restart the machine's
+// PostgreSQL cluster or RabbitMQ node. make test (and so CI) sets it to 1; a plain go test
+// ./... leaves it unset, so it never restarts a database someone else is using.
+const EnvRestartServices = "INBOX_TEST_RESTART_SERVICES"
+
+// RequireRestartOptIn skips t unless EnvRestartServices is 1 (or another true value of
+// strconv.ParseBool), naming the service the test restarts. It also skips under -short.
+// Call it first in every test that stops or restarts a shared service.
+func RequireRestartOptIn(t testing.TB, service string) {
+	t.Helper()
+	SkipShort(t, service)
+	if !restartOptIn() {
+		t.Skipf("restarts the machine's %s: runs only with %s=1 (make test sets it)", service, EnvRestartServices)
+	}
+}
+
+func restartOptIn() bool {
+	on, err := strconv.ParseBool(os.Getenv(EnvRestartServices))
+	return err == nil && on
 }

@@ -1,4 +1,4 @@
-package testenv
+package inboxtest
 
 import (
 	"context"
@@ -37,6 +37,7 @@ type lineLog struct {
 	lines   []string
 }
 
+// Write implements io.Writer: it splits p into lines, keeps them and logs each on l.t.
 func (l *lineLog) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
