@@ -217,7 +217,11 @@ func (r *rabbitAdmin) newQueueWithArgs(t testing.TB, extra map[string]any) strin
 		t.Fatalf("open channel: %v", err)
 	}
 	defer ch.Close()
-	if _, err := ch.QueueDeclare(name, true, false, false, false, args); err != nil {
+	// The adapter's topology for the default consumer group: the queue, named after the
+	// topic, bound to the topic's fanout exchange (adapters/amqp).
+	cfg := amqpQueueConfig(r.url)
+	cfg.Queue.Arguments = args
+	if err := cfg.TopologyBuilder.BuildTopology(ch, amqp.BuildTopologyParams{QueueName: name, ExchangeName: name}, cfg, watermill.NopLogger{}); err != nil {
 		t.Fatalf("declare queue %s: %v", name, err)
 	}
 	t.Cleanup(func() {
@@ -230,6 +234,7 @@ func (r *rabbitAdmin) newQueueWithArgs(t testing.TB, extra map[string]any) strin
 		if _, err := ch.QueueDelete(name, false, false, false); err != nil {
 			t.Errorf("delete queue %s: %v", name, err)
 		}
+		_ = ch.ExchangeDelete(name, false, false)
 	})
 	return name
 }

@@ -64,13 +64,14 @@ func exhaustedReason(earlier, maxAttempts int, lastError string) string {
 // carries in DeadLetterMessageKeyKey) for this consumer, so its next delivery runs the
 // handler again; republish the dead letter to the handler's topic after it. It reports
 // whether the message was dead-lettered; an *InvalidKeyError for an invalid messageID, and an
-// error wrapping ErrInvalidConfig when the inbox has no dead-letter topic.
+// error wrapping ErrInvalidConfig when the Store is not an AttemptStore.
 func (i *Inbox) Replay(ctx context.Context, messageID string) (bool, error) {
 	if err := ValidateKey("message ID", messageID); err != nil {
 		return false, err
 	}
-	if i.attempts == nil {
-		return false, fmt.Errorf("%w: Replay needs a dead-letter topic (and an AttemptStore)", ErrInvalidConfig)
+	as, ok := i.cfg.Store.(AttemptStore)
+	if !ok {
+		return false, fmt.Errorf("%w: Replay needs a Store that implements AttemptStore; %T does not", ErrInvalidConfig, i.cfg.Store)
 	}
-	return i.attempts.Replay(ctx, AttemptParams{Key: Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName}})
+	return as.Replay(ctx, AttemptParams{Key: Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName}})
 }
