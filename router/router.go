@@ -58,6 +58,26 @@ type Config struct {
 	// SDK's default JSON protocol. Amazon SQS speaks both: leave it off against AWS. Set it
 	// for an SQS-compatible endpoint that speaks only the query protocol, such as goaws.
 	SQSQueryProtocol bool `json:"sqs_query_protocol"`
+
+	// Postgres, AMQP, Kafka, SQS, NATS and Redis, when set, hold the settings of that
+	// broker's adapter beyond the address and the consumer group (timings, concurrency,
+	// queue arguments): NewBroker copies the one of the configured broker, fills in what the
+	// fields above decide (Pool, URL, Brokers, ConsumerGroup, the SQS endpoint and protocol)
+	// and passes it to the adapter's New. Nil: the adapter's defaults. They are set in code,
+	// never read from JSON or the environment.
+	Postgres *postgres.Config `json:"-"`
+	// AMQP: see Postgres.
+	AMQP *amqp.Config `json:"-"`
+	// Kafka: see Postgres.
+	Kafka *kafka.Config `json:"-"`
+	// SQS: see Postgres. When its AWSConfig has a Region, that AWS configuration replaces the
+	// SDK's default resolution; its OptFns run before the endpoint and protocol of URL and
+	// SQSQueryProtocol.
+	SQS *sqs.BrokerConfig `json:"-"`
+	// NATS: see Postgres.
+	NATS *nats.Config `json:"-"`
+	// Redis: see Postgres.
+	Redis *redis.Config `json:"-"`
 }
 
 // ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP and
@@ -143,22 +163,41 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 	}
 	switch cfg.Broker {
 	case amqp.Name:
-		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+		c := base(cfg.AMQP)
+		c.URL = cfg.URL
+		return amqp.New(c, logger)
 	case kafka.Name:
 		brokers, err := kafka.ParseBrokers(cfg.URL)
 		if err != nil {
 			return nil, err
 		}
-		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		c := base(cfg.Kafka)
+		c.Brokers, c.ConsumerGroup = brokers, cfg.ConsumerGroup
+		return kafka.New(c, logger)
 	case sqs.Name:
 		return newSQSBroker(cfg, logger)
 	case nats.Name:
-		return nats.New(nats.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		c := base(cfg.NATS)
+		c.URL, c.ConsumerGroup = cfg.URL, cfg.ConsumerGroup
+		return nats.New(c, logger)
 	case redis.Name:
-		return redis.New(redis.Config{URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		c := base(cfg.Redis)
+		c.URL, c.ConsumerGroup = cfg.URL, cfg.ConsumerGroup
+		return redis.New(c, logger)
 	default:
-		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: cfg.ConsumerGroup}, logger)
+		c := base(cfg.Postgres)
+		c.Pool, c.ConsumerGroup = pool, cfg.ConsumerGroup
+		return postgres.New(c, logger)
 	}
+}
+
+// base returns a copy of *c, or the zero value for nil.
+func base[T any](c *T) T {
+	var v T
+	if c != nil {
+		v = *c
+	}
+	return v
 }
 
 // Router is a Watermill router on one broker, with the recommended router-level middleware.

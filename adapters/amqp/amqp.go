@@ -51,16 +51,28 @@ type Config struct {
 	Prefetch int
 	// QueueArguments are passed to queue.declare (e.g. x-queue-type: quorum, x-expires).
 	QueueArguments map[string]any
+	// Consumers is the number of AMQP consumers (each on a channel of its own, with its own
+	// Prefetch) that each Subscribe call opens on the queue; their deliveries arrive on the
+	// one channel Subscribe returns, so a router handler processes up to Consumers messages at
+	// once. Default: 1 (watermill-amqp's single consumer, one message at a time).
+	Consumers int
+	// PublishChannelPoolSize is the number of channels the publisher keeps open and shares
+	// between concurrent Publish calls. Default: 0, a channel opened and closed per Publish
+	// call (watermill-amqp's default), which costs round trips on every one-message publish.
+	PublishChannelPoolSize int
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an empty URL or a negative
-// Prefetch.
+// Prefetch, Consumers or PublishChannelPoolSize.
 func (c Config) Validate() error {
 	if c.URL == "" {
 		return fmt.Errorf("%w: amqp adapter: URL is required", inbox.ErrInvalidConfig)
 	}
 	if c.Prefetch < 0 {
 		return fmt.Errorf("%w: amqp adapter: negative Prefetch", inbox.ErrInvalidConfig)
+	}
+	if c.Consumers < 0 || c.PublishChannelPoolSize < 0 {
+		return fmt.Errorf("%w: amqp adapter: negative Consumers or PublishChannelPoolSize", inbox.ErrInvalidConfig)
 	}
 	return nil
 }
@@ -76,6 +88,7 @@ func (c Config) WatermillConfig() wamqp.Config {
 		cfg.Consume.Qos.PrefetchCount = 16
 	}
 	cfg.Publish.ConfirmDelivery = true
+	cfg.Publish.ChannelPoolSize = c.PublishChannelPoolSize
 	return cfg
 }
 
@@ -106,7 +119,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 			}
 			return nil
 		}),
-		Subscriber:       sub,
+		Subscriber:       consumers(sub, cfg.Consumers),
 		BrokerSideFields: BrokerSideFields,
 	}, nil
 }
