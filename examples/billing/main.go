@@ -49,17 +49,15 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
 const (
 	defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	defaultAMQPURL     = "amqp://guest:guest@127.0.0.1:5672/"
 
 	roleOrchestrator = "orchestrator"
 	roleConsumer     = "consumer"
-
-	brokerPostgres = "postgres"
-	brokerAMQP     = "amqp"
 )
 
 // options holds the command line of both roles.
@@ -92,7 +90,7 @@ func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("billing", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", roleOrchestrator, "orchestrator (default) or consumer (internal: the orchestrator starts the consumer)")
-	fs.StringVar(&o.broker, "broker", brokerPostgres, "message broker: postgres (watermill-sql on the same database), amqp (RabbitMQ at INBOX_AMQP_URL), kafka (an in-process kfake cluster), sqs (an in-process goaws), nats (JetStream at INBOX_NATS_URL) or redis (Redis Streams at INBOX_REDIS_URL)")
+	fs.StringVar(&o.broker, "broker", "postgres", "message broker: postgres (watermill-sql on the same database), amqp (RabbitMQ at INBOX_AMQP_URL), kafka (an in-process kfake cluster), sqs (an in-process goaws), nats (JetStream at INBOX_NATS_URL) or redis (Redis Streams at INBOX_REDIS_URL)")
 	fs.IntVar(&o.messages, "messages", 2000, "unique payment messages to publish (at least 20)")
 	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
@@ -119,8 +117,8 @@ func parseFlags(args []string) (options, error) {
 	switch {
 	case o.role != roleOrchestrator && o.role != roleConsumer:
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
-	case !slices.Contains(allBrokers, o.broker):
-		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(allBrokers, ", "))
+	case !slices.Contains(router.Brokers, o.broker):
+		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(router.Brokers, ", "))
 	case o.messages < 20:
 		return o, errors.New("-messages must be at least 20")
 	case o.accounts < 1:
@@ -146,13 +144,6 @@ func databaseURL() string {
 		return v
 	}
 	return defaultDatabaseURL
-}
-
-func amqpURL() string {
-	if v := os.Getenv("INBOX_AMQP_URL"); v != "" {
-		return v
-	}
-	return defaultAMQPURL
 }
 
 func main() {
