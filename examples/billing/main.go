@@ -38,7 +38,10 @@
 // and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/), for
 // -broker=nats INBOX_NATS_URL (default nats://127.0.0.1:4222), for -broker=redis INBOX_REDIS_URL
 // (default redis://127.0.0.1:6379). For -broker=kafka and -broker=sqs the orchestrator starts an
-// in-process kfake cluster or goaws and passes its address to the consumers (brokers.go).
+// in-process kfake cluster or goaws and passes its address to the consumers (inspect.go).
+//
+// consumer.go is the billing service as a user writes it, on package router; crash.go is the
+// demo's instrumentation of it; the other files are the end-to-end test around it.
 package main
 
 import (
@@ -96,7 +99,7 @@ func parseFlags(args []string) (options, error) {
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
 	fs.Uint64Var(&o.seed, "seed", 0, "random seed of the workload (0: derived from the clock; printed in the summary)")
 	fs.DurationVar(&o.timeout, "timeout", 120*time.Second, "overall deadline; the run reports FAIL when it passes")
-	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "concurrent AMQP subscriptions (channels) in the consumer, each with prefetch 16")
+	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "AMQP consumers (channels) per subscription in the consumer, each with prefetch 16 (amqp.Config.Consumers)")
 	fs.IntVar(&o.poison, "poison", 3, "payments to the frozen account: poison messages the handler rejects on every attempt (at least 1)")
 	fs.IntVar(&o.maxAttempts, "max-attempts", 3, "inbox MaxAttempts: handler runs before a message is dead-lettered (at least 3: the mid-stream kill may cost a payment two attempts)")
 	fs.BoolVar(&o.verbose, "v", false, "copy the consumers' logs (stderr) to stderr as they run")
