@@ -26,7 +26,13 @@ import (
 	goredis "github.com/redis/go-redis/v9"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
+	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
+	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/router"
@@ -57,7 +63,7 @@ func (t topics) all() []string { return []string{t.payments, t.deadLetters, t.re
 // run's ID, and so do Kafka topics, SQS queues, NATS streams and Redis stream keys.
 func runTopics(broker, runID string) topics {
 	prefix := ""
-	if broker != "postgres" {
+	if broker != postgres.Name {
 		prefix = "billing_demo_" + runID + "_"
 	}
 	return topics{payments: prefix + "payments", deadLetters: prefix + "payments_dead_letters", receipts: prefix + "receipts"}
@@ -111,7 +117,7 @@ func newBrokerAdmin(o options, pool *pgxpool.Pool, schema string, t topics) (*br
 func (a *brokerAdmin) connect(schema string) error {
 	t := a.topics
 	switch a.cfg.Broker {
-	case "postgres":
+	case postgres.Name:
 		msgs, offsets := qualified(schema, "watermill_"+t.payments), qualified(schema, "watermill_offsets_"+t.payments)
 		a.pending = func(ctx context.Context) (n int64, err error) {
 			err = a.pool.QueryRow(ctx, `SELECT count(*) FROM `+msgs+` m WHERE NOT EXISTS (
@@ -121,7 +127,7 @@ func (a *brokerAdmin) connect(schema string) error {
 		}
 		a.pendingMeaning = "rows after the consumer group's committed offset"
 		// The tables go with the schema.
-	case "amqp":
+	case amqp.Name:
 		a.cfg.URL = envOr("INBOX_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 		conn, err := amqp091.Dial(a.cfg.URL)
 		if err != nil {
@@ -156,7 +162,7 @@ func (a *brokerAdmin) connect(schema string) error {
 			}
 			return errors.Join(errs...)
 		}
-	case "kafka":
+	case kafka.Name:
 		addrs, stop, err := kafkatest.Start() // topics are created on first use, 4 partitions
 		if err != nil {
 			return err
@@ -165,7 +171,7 @@ func (a *brokerAdmin) connect(schema string) error {
 		a.cfg.URL = "kafka://" + strings.Join(addrs, ",")
 		a.pending = func(context.Context) (int64, error) { return kafkaLag(addrs, consumerName, t.payments) }
 		a.pendingMeaning = "records of topic " + t.payments + " after consumer group " + consumerName + "'s committed offsets"
-	case "sqs":
+	case sqs.Name:
 		endpoint, stop, err := sqstest.Start()
 		if err != nil {
 			return err
@@ -182,7 +188,7 @@ func (a *brokerAdmin) connect(schema string) error {
 		client := sqstest.Client()
 		a.pending = func(ctx context.Context) (int64, error) { return sqsPending(ctx, client, t.payments) }
 		a.pendingMeaning = "messages in queue " + t.payments + ", visible or in flight"
-	case "nats":
+	case nats.Name:
 		a.cfg.URL = envOr("INBOX_NATS_URL", "nats://127.0.0.1:4222")
 		nc, err := natsgo.Connect(a.cfg.URL, natsgo.Name("billing-demo-orchestrator"))
 		if err != nil {
@@ -208,7 +214,7 @@ func (a *brokerAdmin) connect(schema string) error {
 			}
 			return errors.Join(errs...)
 		}
-	case "redis":
+	case redis.Name:
 		a.cfg.URL = envOr("INBOX_REDIS_URL", "redis://127.0.0.1:6379")
 		opts, err := goredis.ParseURL(a.cfg.URL)
 		if err != nil {
@@ -239,7 +245,7 @@ func (a *brokerAdmin) connect(schema string) error {
 // and the pending count to be taken. kfake creates Kafka topics on first use.
 func (a *brokerAdmin) createTopics() error {
 	si, ok := a.b.Subscriber.(message.SubscribeInitializer)
-	if !ok || a.cfg.Broker == "kafka" {
+	if !ok || a.cfg.Broker == kafka.Name {
 		return nil
 	}
 	for _, topic := range a.topics.all() {
