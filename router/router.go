@@ -71,8 +71,27 @@ type Config struct {
 	// for an SQS-compatible endpoint that speaks only the query protocol, such as goaws.
 	SQSQueryProtocol bool `json:"sqs_query_protocol"`
 
-	source int    // sourceCode, sourceEnv or sourceJSON
-	path   string // the JSON file, for sourceJSON
+	// Postgres, AMQP, Kafka, SQS, NATS and Redis, when set, hold the settings of that
+	// broker's adapter beyond the address and the consumer group (timings, concurrency,
+	// queue arguments): NewBroker copies the one of the configured broker, fills in what the
+	// fields above decide (Pool, URL, Brokers, ConsumerGroup, the SQS endpoint and protocol)
+	// and passes it to the adapter's New. Nil: the adapter's defaults. They are set in code,
+	// never read from JSON or the environment.
+	Postgres *postgres.Config `json:"-"`
+	// AMQP: see Postgres.
+	AMQP *amqp.Config `json:"-"`
+	// Kafka: see Postgres.
+	Kafka *kafka.Config `json:"-"`
+	// SQS: see Postgres. When its AWSConfig has a Region, that AWS configuration replaces the
+	// SDK's default resolution; its OptFns run before the endpoint and protocol of URL and
+	// SQSQueryProtocol.
+	SQS *sqs.BrokerConfig `json:"-"`
+	// NATS: see Postgres.
+	NATS *nats.Config `json:"-"`
+	// Redis: see Postgres.
+	Redis  *redis.Config `json:"-"`
+	source int           // sourceCode, sourceEnv or sourceJSON
+	path   string        // the JSON file, for sourceJSON
 }
 
 // DefaultConsumerGroup names, after ConsumerGroupPrefix, the consumer group of
@@ -211,22 +230,41 @@ func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (
 	group := cfg.ConsumerGroupPrefix + DefaultConsumerGroup
 	switch cfg.Broker {
 	case amqp.Name:
-		return amqp.New(amqp.Config{URL: cfg.URL}, logger)
+		c := base(cfg.AMQP)
+		c.URL = cfg.URL
+		return amqp.New(c, logger)
 	case kafka.Name:
 		brokers, err := kafka.ParseBrokers(cfg.URL)
 		if err != nil {
 			return nil, err
 		}
-		return kafka.New(kafka.Config{Brokers: brokers, ConsumerGroup: group}, logger)
+		c := base(cfg.Kafka)
+		c.Brokers, c.ConsumerGroup = brokers, group
+		return kafka.New(c, logger)
 	case sqs.Name:
 		return newSQSBroker(cfg, logger)
 	case nats.Name:
-		return nats.New(nats.Config{URL: cfg.URL, ConsumerGroup: group}, logger)
+		c := base(cfg.NATS)
+		c.URL, c.ConsumerGroup = cfg.URL, group
+		return nats.New(c, logger)
 	case redis.Name:
-		return redis.New(redis.Config{URL: cfg.URL, ConsumerGroup: group}, logger)
+		c := base(cfg.Redis)
+		c.URL, c.ConsumerGroup = cfg.URL, group
+		return redis.New(c, logger)
 	default:
-		return postgres.New(postgres.Config{Pool: pool, ConsumerGroup: group}, logger)
+		c := base(cfg.Postgres)
+		c.Pool, c.ConsumerGroup = pool, group
+		return postgres.New(c, logger)
 	}
+}
+
+// base returns a copy of *c, or the zero value for nil.
+func base[T any](c *T) T {
+	var v T
+	if c != nil {
+		v = *c
+	}
+	return v
 }
 
 // Router is a Watermill router on one broker, with the recommended router-level middleware.
@@ -309,6 +347,21 @@ func (r *Router) subscriberFor(name, topic string) (message.Subscriber, string, 
 		handlerName = fmt.Sprintf("%s-%d", name, n)
 	}
 	return sub, handlerName, nil
+}
+
+// NewInbox is inbox.New with what the router's broker knows filled in where cfg leaves it
+// unset: BrokerSideFields (refused as keys, stripped from dead letters) and Redelivery (the
+// broker's redelivery signal, which lets the inbox count first deliveries only after a
+// failure; see docs/adapters.md for what each broker's signal is worth). Errors are
+// inbox.New's.
+func (r *Router) NewInbox(cfg inbox.Config, logger watermill.LoggerAdapter) (*inbox.Inbox, error) {
+	if cfg.BrokerSideFields == nil {
+		cfg.BrokerSideFields = r.Broker.BrokerSideFields
+	}
+	if cfg.Redelivery == nil {
+		cfg.Redelivery = r.Broker.Redelivery
+	}
+	return inbox.New(cfg, logger)
 }
 
 // AddConsumer subscribes ib's handler h to topic in ib's consumer group (see subscriberFor):

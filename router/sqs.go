@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill"
 	awsconfig "github.com/aws/aws-sdk-go-v2/config"
-	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
@@ -47,18 +47,24 @@ func validateSQS(c Config) error {
 // newSQSBroker builds the "sqs" broker: region, credentials and the rest of the AWS
 // configuration come from the SDK's default resolution (config.LoadDefaultConfig: AWS_REGION,
 // AWS_ACCESS_KEY_ID..., AWS_PROFILE and the shared config files, then container and instance
-// roles); cfg.URL, when set, replaces the endpoint, and cfg.SQSQueryProtocol the protocol.
+// roles) unless cfg.SQS brings an AWSConfig with a Region; cfg.URL, when set, replaces the
+// endpoint, and cfg.SQSQueryProtocol the protocol; the other settings come from cfg.SQS.
 func newSQSBroker(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
-	awsCfg, err := awsconfig.LoadDefaultConfig(context.Background())
-	if err != nil {
-		return nil, fmt.Errorf("router: sqs: loading the AWS configuration: %w", err)
+	c := base(cfg.SQS)
+	if c.AWSConfig.Region == "" {
+		awsCfg, err := awsconfig.LoadDefaultConfig(context.Background())
+		if err != nil {
+			return nil, fmt.Errorf("router: sqs: loading the AWS configuration: %w", err)
+		}
+		c.AWSConfig = awsCfg
 	}
-	var opts []func(*awssqs.Options)
+	opts := slices.Clone(c.OptFns)
 	if cfg.URL != "" {
 		opts = append(opts, sqs.Endpoint(cfg.URL))
 	}
 	if cfg.SQSQueryProtocol {
 		opts = append(opts, sqs.QueryProtocol)
 	}
-	return sqs.New(sqs.BrokerConfig{AWSConfig: awsCfg, OptFns: opts}, logger)
+	c.OptFns = opts
+	return sqs.New(c, logger)
 }

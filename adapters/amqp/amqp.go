@@ -76,16 +76,28 @@ type Config struct {
 	// consumers first subscribe; "" is the default group (the queue named after the topic).
 	// Optional.
 	DeclareGroups []string
+	// Consumers is the number of AMQP consumers (each on a channel of its own, with its own
+	// Prefetch) that each Subscribe call opens on the queue; their deliveries arrive on the
+	// one channel Subscribe returns, so a router handler processes up to Consumers messages at
+	// once. Default: 1 (watermill-amqp's single consumer, one message at a time).
+	Consumers int
+	// PublishChannelPoolSize is the number of channels the publisher keeps open and shares
+	// between concurrent Publish calls. Default: 0, a channel opened and closed per Publish
+	// call (watermill-amqp's default), which costs round trips on every one-message publish.
+	PublishChannelPoolSize int
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an empty URL or a negative
-// Prefetch.
+// Prefetch, Consumers or PublishChannelPoolSize.
 func (c Config) Validate() error {
 	if c.URL == "" {
 		return fmt.Errorf("%w: amqp adapter: URL is required", inbox.ErrInvalidConfig)
 	}
 	if c.Prefetch < 0 {
 		return fmt.Errorf("%w: amqp adapter: negative Prefetch", inbox.ErrInvalidConfig)
+	}
+	if c.Consumers < 0 || c.PublishChannelPoolSize < 0 {
+		return fmt.Errorf("%w: amqp adapter: negative Consumers or PublishChannelPoolSize", inbox.ErrInvalidConfig)
 	}
 	return nil
 }
@@ -121,6 +133,8 @@ func (c Config) WatermillConfig(group string) wamqp.Config {
 		cfg.Consume.Qos.PrefetchCount = 16
 	}
 	cfg.Publish.ConfirmDelivery = true
+	cfg.Publish.ChannelPoolSize = c.PublishChannelPoolSize
+	cfg.Publish.ChannelPoolSize = c.PublishChannelPoolSize
 	return cfg
 }
 
@@ -153,12 +167,16 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	b := &adapters.Broker{
 		Name:       Name,
 		Publisher:  pub,
-		Subscriber: sub,
+		Subscriber: consumers(sub, cfg.Consumers),
 		NewSubscriber: func(group string) (message.Subscriber, error) {
 			if group == "" {
 				return nil, fmt.Errorf("%w: amqp adapter: empty consumer group", inbox.ErrInvalidConfig)
 			}
-			return newSub(group)
+			s, err := newSub(group)
+			if err != nil {
+				return nil, err
+			}
+			return consumers(s, cfg.Consumers), nil
 		},
 		BrokerSideFields: BrokerSideFields,
 		Redelivery:       Redelivery,

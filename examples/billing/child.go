@@ -81,8 +81,9 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		fmt.Sprintf("-amqp-consumers=%d", d.o.amqpConsumers),
 		"-app-name="+d.consumerAppName(c.n),
 	)
-	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL(), "INBOX_AMQP_URL="+amqpURL())
-	c.cmd.Env = append(c.cmd.Env, d.childEnv...)
+	// The consumer builds its broker from the environment (router.ConfigFromEnv).
+	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL())
+	c.cmd.Env = append(c.cmd.Env, d.broker.env...)
 	c.cmd.SysProcAttr = childProcAttr() // the child dies with the orchestrator
 	var tee io.Writer
 	if d.o.verbose {

@@ -2,6 +2,13 @@
 
 package main
 
+// This file is the billing service as a user would write it: package router builds the
+// broker named by the configuration (INBOX_BROKER, INBOX_BROKER_URL, ...), the billing handler
+// applies payments behind an inbox and returns a receipt through the outbox, the outbox relay
+// publishes the receipts, and a downstream receipts handler counts them behind an inbox of its
+// own. What is the demo's and not the service's (the crash points, the reports to the
+// orchestrator) is in crash.go.
+
 import (
 	"context"
 	"encoding/json"
@@ -10,64 +17,92 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
-	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
+	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
+	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
+	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
-// Lines the consumer writes to stdout for the orchestrator, followed by a JSON object.
 const (
-	// lineReady: the router is running.
-	lineReady = "READY"
-	// lineCrash: the inbox Stats just before the consumer SIGKILLs itself.
-	lineCrash = "CRASH"
-	// lineStats: the inbox Stats after a graceful stop.
-	lineStats = "STATS"
+	// consumerName is the billing inbox's consumer name and the router's consumer group.
+	consumerName = "billing"
+	// receiptsConsumerName is the downstream consumer's: its own inbox rows (same table,
+	// another consumer name).
+	receiptsConsumerName = "receipts"
+	// messageType is stored in the inbox's message_type column (metadata "name").
+	messageType = "PaymentReceived"
+	// receiptType is the message type of the receipts.
+	receiptType = "ReceiptIssued"
+
+	// redeliverAfter is how long a delivery held by a killed consumer waits before the broker
+	// hands it out again, where the broker waits for a timeout: NATS AckWait, Redis
+	// MaxIdleTime, the SQS queue's VisibilityTimeout (production defaults: 30 s and more).
+	redeliverAfter = 3 * time.Second
+	// concurrency is the deliveries of one topic a consumer processes at once: AMQP consumers,
+	// NATS subscriptions, SQS messages in flight. Kafka has one per partition
+	// (kafkatest.DefaultPartitions, also 4); PostgreSQL and Redis one at a time.
+	concurrency = 4
+	// amqpQueueExpiry deletes a run's queue this long after its last consumer left, in case the
+	// run fails before deleting it (RabbitMQ's x-expires, in milliseconds).
+	amqpQueueExpiry = int32(10 * 60 * 1000)
 )
 
-// consumerReport is the JSON of the consumer's stdout lines.
-type consumerReport struct {
-	PID int `json:"pid"`
-	// Processed ... DeadLetteredSkips: the billing inbox's Stats.
-	Processed         uint64 `json:"processed"`
-	Duplicates        uint64 `json:"duplicates"`
-	Failed            uint64 `json:"failed"`
-	TxRetries         uint64 `json:"tx_retries"`
-	DeadLettered      uint64 `json:"dead_lettered"`
-	DeadLetteredSkips uint64 `json:"dead_lettered_skips"`
-	// ReceiptsProcessed, ReceiptsDuplicates: the receipts inbox's Stats.
-	ReceiptsProcessed  uint64 `json:"receipts_processed"`
-	ReceiptsDuplicates uint64 `json:"receipts_duplicates"`
-	// Rejected and RejectedRun: the poison payment (and its handler run, across processes) in
-	// whose handler the consumer SIGKILLed itself (-crash-on-rejection).
-	Rejected    string `json:"rejected,omitempty"`
-	RejectedRun int64  `json:"rejected_run,omitempty"`
+// payment is the message payload: a producer-side payment of amountCents into an account.
+type payment struct {
+	AccountID   int64 `json:"account_id"`
+	AmountCents int64 `json:"amount_cents"`
 }
 
-// inboxes are the consumer's two inboxes: the billing handler's and the downstream receipts
-// handler's.
-type inboxes struct{ billing, receipts *inbox.Inbox }
+// receipt is the payload of the message the billing handler returns for each payment it
+// applied. The outbox stores it in the inbox transaction; the relay publishes it afterwards.
+type receipt struct {
+	PaymentID   string `json:"payment_id"`
+	AccountID   int64  `json:"account_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
 
-func (ibs inboxes) report(kind string, r consumerReport) {
-	b, r2 := ibs.billing.Stats(), ibs.receipts.Stats()
-	r.PID = os.Getpid()
-	r.Processed, r.Duplicates, r.Failed, r.TxRetries = b.Processed, b.Duplicates, b.Failed, b.TxRetries
-	r.DeadLettered, r.DeadLetteredSkips = b.DeadLettered, b.DeadLetteredSkips
-	r.ReceiptsProcessed, r.ReceiptsDuplicates = r2.Processed, r2.Duplicates
-	j, _ := json.Marshal(r)
-	// os.Stdout is unbuffered: the line is in the pipe before the next statement runs.
-	fmt.Printf("%s %s\n", kind, j)
+// withDemoSettings sets the adapter settings of the demo on cfg: a delivery that a killed
+// consumer held comes back within seconds instead of the production defaults, and several
+// deliveries are in flight at once. Everything else is the adapters' defaults.
+func withDemoSettings(cfg router.Config, amqpConsumers int) router.Config {
+	cfg.Postgres = &postgres.Config{PollInterval: 50 * time.Millisecond}
+	cfg.AMQP = &amqp.Config{
+		Consumers:              amqpConsumers,
+		PublishChannelPoolSize: concurrency, // the relay's and the dead letters' publishes
+		QueueArguments:         map[string]any{"x-expires": amqpQueueExpiry},
+	}
+	cfg.Kafka = &kafka.Config{
+		SessionTimeout:    time.Second, // a killed member's partitions move at once
+		HeartbeatInterval: 100 * time.Millisecond,
+		RebalanceTimeout:  10 * time.Second,
+		FetchMaxWait:      50 * time.Millisecond,
+		CommitInterval:    100 * time.Millisecond,
+		NackResendSleep:   50 * time.Millisecond,
+	}
+	cfg.SQS = &sqs.BrokerConfig{
+		// goaws applies the queue's visibility timeout only, not the per-receive one.
+		QueueAttributes: map[string]string{"VisibilityTimeout": fmt.Sprint(int(redeliverAfter.Seconds()))},
+		WaitTime:        time.Second,
+		MaxInFlight:     concurrency,
+		CloseTimeout:    2 * time.Second,
+	}
+	cfg.NATS = &nats.Config{AckWait: redeliverAfter, MaxAckPending: 4 * concurrency, SubscribersCount: concurrency}
+	cfg.Redis = &redis.Config{NackResendSleep: 50 * time.Millisecond, MaxIdleTime: redeliverAfter, ClaimInterval: 200 * time.Millisecond}
+	return cfg
 }
 
 // runConsumer is the child process. It runs until SIGTERM (graceful: prints STATS) or until it
@@ -82,7 +117,7 @@ func runConsumer(o options) int {
 	return 0
 }
 
-// consume runs, in one process:
+// consume runs, in one process and on one router:
 //
 //   - the billing handler: a payment is added to an account balance and a receipt returned,
 //     behind the billing inbox, which dead-letters a payment after MaxAttempts failed attempts
@@ -92,28 +127,25 @@ func runConsumer(o options) int {
 func consume(ctx context.Context, o options) error {
 	logger := watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 
-	// Connections, per concurrent delivery: the billing inbox transaction, the rejection log's
-	// autocommit write and the receipts inbox transaction. Besides: the two watermill-sql
-	// subscribers' batch transactions, the relay's, the two publishers' on PostgreSQL, spares.
-	concurrency := 1
-	switch {
-	case o.broker == brokerAMQP:
-		concurrency = o.amqpConsumers
-	case isAdapterBroker(o.broker):
-		concurrency = adapterConcurrency
+	cfg, err := router.ConfigFromEnv() // INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP_PREFIX...
+	if err != nil {
+		return err
 	}
-	pool, err := openPool(ctx, o.schema, o.appName, int32(3*concurrency+8))
+	cfg = withDemoSettings(cfg, o.amqpConsumers)
+
+	// Connections, per concurrent delivery: the billing inbox transaction, the rejection log's
+	// autocommit write and the receipts inbox transaction. Besides: the watermill-sql
+	// subscribers' batch transactions, the relay's, the publishers' on PostgreSQL, spares.
+	pool, err := openPool(ctx, o.schema, o.appName, int32(3*max(concurrency, o.amqpConsumers)+8))
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 
-	b, err := newConsumerBroker(o, pool, logger)
+	r, err := router.New(cfg, pool, logger)
 	if err != nil {
-		return err
+		return fmt.Errorf("%s broker: %w", cfg.Broker, err)
 	}
-	defer b.Close()
-
 	store, err := pgstore.New(pool, pgstore.Config{Schema: o.schema})
 	if err != nil {
 		return err
@@ -122,12 +154,13 @@ func consume(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
-	billing, err := inbox.New(inbox.Config{
+	// r.NewInbox fills in the broker's redelivery signal and broker-side fields.
+	billing, err := r.NewInbox(inbox.Config{
 		Store:        store,
 		ConsumerName: consumerName,
 		// Durable attempt counting: a payment whose handler failed MaxAttempts times, in
 		// whichever processes, goes to the dead-letter topic, then is acked.
-		DeadLetterPublisher: b.pub,
+		DeadLetterPublisher: r.Broker.Publisher,
 		DeadLetterTopic:     o.deadLetterTopic,
 		MaxAttempts:         o.maxAttempts,
 		// The receipts the handler returns are written in the inbox transaction.
@@ -136,56 +169,32 @@ func consume(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
-	receipts, err := inbox.New(inbox.Config{Store: store, ConsumerName: receiptsConsumerName}, logger)
+	receipts, err := r.NewInbox(inbox.Config{Store: store, ConsumerName: receiptsConsumerName}, logger)
 	if err != nil {
 		return err
 	}
-	ibs := inboxes{billing: billing, receipts: receipts}
 
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	if err != nil {
-		return err
-	}
-	gate := new(crashGate)
-	var onRejected func(*message.Message, int64)
-	if o.crashOnRejection > 0 {
-		onRejected = func(msg *message.Message, run int64) {
-			if run == int64(o.crashOnRejection) {
-				gate.crashAlone(msg, func() { ibs.report(lineCrash, consumerReport{Rejected: msg.UUID, RejectedRun: run}) })
-			}
-		}
-	}
-	applyPayment := billingHandler{
+	// The demo's crash points: router-level middleware, added before the handlers, so they run
+	// outside each handler's inbox (see crash.go).
+	crash := newCrashPoints(o, inboxes{billing: billing, receipts: receipts})
+	r.AddMiddleware(crash.middleware()...)
+
+	// The receipts the billing handler returns are for the receipts topic. The inbox hands them
+	// to the outbox, so the router never publishes them itself.
+	r.AddHandler(billing, o.topic, o.receiptsTopic, billingHandler{
 		pool:       pool,
 		accounts:   qualified(o.schema, "accounts"),
 		rejections: qualified(o.schema, "rejections"),
 		run:        o.run,
-		onRejected: onRejected,
-	}.handle
-	countReceipt := receiptsHandler(qualified(o.schema, "receipts"))
-
-	committed := afterCommit(o.crashAfter, gate, ibs) // one counter for all billing handlers
-	for i, sub := range b.paymentSubs {
-		// AddHandler with a publish topic: the receipts the handler returns are for the
-		// receipts topic. The inbox hands them to the outbox, so the router's publisher is
-		// never called.
-		h := router.AddHandler(fmt.Sprintf("billing-%d", i), o.topic, sub, o.receiptsTopic, routerNeverPublishes{}, applyPayment)
-		// Order matters: the first middleware added is the outermost. The gate holds the
-		// consumer's own crashes back until the other deliveries left the inbox (see
-		// crashGate); afterCommit sees the inbox's result, i.e. runs after the COMMIT and before
-		// the router acks; the inbox is innermost, so the handler runs on its transaction.
-		h.AddMiddleware(gate.Middleware, committed, billing.Middleware)
-	}
-	for i, sub := range b.receiptSubs {
-		h := router.AddConsumerHandler(fmt.Sprintf("receipts-%d", i), o.receiptsTopic, sub, countReceipt)
-		h.AddMiddleware(receipts.Middleware)
-	}
+		onRejected: crash.onRejected,
+	}.handle)
+	r.AddConsumer(receipts, o.receiptsTopic, receiptsHandler(qualified(o.schema, "receipts")))
 
 	// The relay reads the outbox with a watermill-sql subscriber and publishes each receipt to
 	// its destination topic, at least once: a crash between a publish and the commit of the
 	// relay's offset publishes it again, with the same UUID, and the receipts inbox skips it.
 	relay, err := outbox.NewRelay(outbox.RelayConfig{
-		Config: outboxConfig(o.schema), Pool: pool, Publisher: b.pub,
+		Config: outboxConfig(o.schema), Pool: pool, Publisher: r.Broker.Publisher,
 		PollInterval: 50 * time.Millisecond,
 	}, logger)
 	if err != nil {
@@ -193,10 +202,10 @@ func consume(ctx context.Context, o options) error {
 	}
 
 	runErr := make(chan error, 1)
-	go func() { runErr <- router.Run(context.Background()) }()
+	go func() { runErr <- r.Run(context.Background()) }()
 	relayErr := make(chan error, 1)
 	go func() { relayErr <- relay.Run(context.Background()) }()
-	for _, running := range []chan struct{}{router.Running(), relay.Running()} {
+	for _, running := range []chan struct{}{r.Running(), relay.Running()} {
 		select {
 		case <-running:
 		case err := <-runErr:
@@ -205,7 +214,7 @@ func consume(ctx context.Context, o options) error {
 			return fmt.Errorf("outbox relay: %w", err)
 		}
 	}
-	ibs.report(lineReady, consumerReport{})
+	crash.report(lineReady, consumerReport{})
 
 	select {
 	case <-ctx.Done(): // SIGTERM: graceful stop
@@ -214,107 +223,50 @@ func consume(ctx context.Context, o options) error {
 	case err := <-relayErr:
 		return fmt.Errorf("outbox relay stopped by itself: %v", err)
 	}
-	closeErr := errors.Join(router.Close(), relay.Close())
+	// The relay first: it publishes through the router's broker, which r.Close closes.
+	closeErr := errors.Join(relay.Close(), r.Close())
 	<-runErr
 	<-relayErr
-	ibs.report(lineStats, consumerReport{})
+	crash.report(lineStats, consumerReport{})
 	if closeErr != nil {
 		return fmt.Errorf("close: %w", closeErr)
 	}
 	return nil
 }
 
-// consumerBroker holds the consumer's subscriptions and its publisher on the run's broker.
-type consumerBroker struct {
-	// paymentSubs and receiptSubs: one subscriber per concurrent handler of each topic.
-	paymentSubs, receiptSubs []message.Subscriber
-	// pub publishes the dead letters (inbox) and the receipts (relay).
-	pub    message.Publisher
-	closes []func() error
+// outboxConfig is the outbox of a run: watermill-sql's tables "watermill_inbox_outbox" and
+// "watermill_offsets_inbox_outbox" in the run's schema. The Outbox (writer), the Relay
+// (reader) and InitializeSchema get the same Config.
+func outboxConfig(schema string) outbox.Config {
+	return outbox.Config{Schema: schema}
 }
 
-func newConsumerBroker(o options, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*consumerBroker, error) {
-	b := &consumerBroker{}
-	switch o.broker {
-	case brokerPostgres:
-		// One subscription per topic: watermill-sql hands out one message at a time per
-		// consumer group (the group's offset row is locked FOR UPDATE for the whole batch).
-		payments, err := sqlSubscriber(pool, consumerName, logger)
-		if err != nil {
-			return nil, fmt.Errorf("watermill-sql subscriber: %w", err)
-		}
-		b.closes = append(b.closes, payments.Close)
-		receipts, err := sqlSubscriber(pool, receiptsConsumerName, logger)
-		if err != nil {
-			b.Close()
-			return nil, fmt.Errorf("watermill-sql subscriber: %w", err)
-		}
-		b.closes = append(b.closes, receipts.Close)
-		pub, err := sqlPublisher(pool, logger)
-		if err != nil {
-			b.Close()
-			return nil, fmt.Errorf("watermill-sql publisher: %w", err)
-		}
-		b.closes = append(b.closes, pub.Close)
-		b.paymentSubs, b.receiptSubs, b.pub = []message.Subscriber{payments}, []message.Subscriber{receipts}, pub
-	case brokerAMQP:
-		// Each Subscribe opens its own channel with its own prefetch, so amqpConsumers
-		// handlers of one subscriber process that many deliveries at once.
-		sub, err := amqp.NewSubscriber(amqpConfig(), logger)
-		if err != nil {
-			return nil, fmt.Errorf("AMQP subscriber: %w", err)
-		}
-		b.closes = append(b.closes, sub.Close)
-		// The orchestrator declared the dead-letter and receipts queues: the publisher does
-		// not, and RabbitMQ drops what is published to a missing queue.
-		pub, err := amqp.NewPublisher(amqpConfig(), logger)
-		if err != nil {
-			b.Close()
-			return nil, fmt.Errorf("AMQP publisher: %w", err)
-		}
-		b.closes = append(b.closes, pub.Close)
-		for range o.amqpConsumers {
-			b.paymentSubs = append(b.paymentSubs, sub)
-			b.receiptSubs = append(b.receiptSubs, sub)
-		}
-		b.pub = pub
-	default:
-		// Kafka, SQS, NATS, Redis: the adapter packages, one broker per consumer group. The
-		// subscription handles deliveries concurrently (Kafka: one per partition; NATS:
-		// SubscribersCount; SQS: MaxInFlight; Redis: one at a time).
-		payments, err := newAdapterBroker(o.broker, consumerName, logger)
-		if err != nil {
-			return nil, fmt.Errorf("%s broker: %w", o.broker, err)
-		}
-		b.closes = append(b.closes, payments.Close)
-		receipts, err := newAdapterBroker(o.broker, receiptsConsumerName, logger)
-		if err != nil {
-			b.Close()
-			return nil, fmt.Errorf("%s broker: %w", o.broker, err)
-		}
-		b.closes = append(b.closes, receipts.Close)
-		b.paymentSubs, b.receiptSubs, b.pub = []message.Subscriber{payments.Subscriber}, []message.Subscriber{receipts.Subscriber}, payments.Publisher
+// openPool connects to the database with search_path set to schema, so watermill-sql's
+// unqualified tables live in the run's schema, and with application_name set to appName, so the
+// orchestrator can find the consumer's sessions in pg_stat_activity.
+func openPool(ctx context.Context, schema, appName string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(databaseURL())
+	if err != nil {
+		return nil, fmt.Errorf("parse INBOX_DATABASE_URL: %w", err)
 	}
-	return b, nil
-}
-
-// Close closes the subscribers, then the publisher. Call it after the router and the relay
-// stopped.
-func (b *consumerBroker) Close() {
-	for _, c := range b.closes {
-		_ = c()
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
+	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("PostgreSQL is not reachable at %s: %w", redactURL(databaseURL()), err)
+	}
+	return pool, nil
 }
 
-// routerNeverPublishes is the router's publisher of the billing handler. With Config.Outbox set
-// the inbox stores the handler's messages and returns none, so the router never publishes.
-type routerNeverPublishes struct{}
-
-func (routerNeverPublishes) Publish(string, ...*message.Message) error {
-	return errors.New("the router must not publish: the receipts go through the outbox")
-}
-
-func (routerNeverPublishes) Close() error { return nil }
+// qualified returns the quoted name of a table in schema.
+func qualified(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
 
 // billingHandler is the business handler. Its writes run on the inbox's transaction, so the
 // balance change and the receipt commit or roll back together with the claim of the message ID.
@@ -344,9 +296,7 @@ func (h billingHandler) handle(msg *message.Message) ([]*message.Message, error)
 	if tag.RowsAffected() != 1 {
 		return nil, h.reject(msg, tx, p)
 	}
-	if ran, ok := ctx.Value(handlerRanKey{}).(*atomic.Bool); ok {
-		ran.Store(true)
-	}
+	markHandlerRan(msg)
 	body, err := json.Marshal(receipt{PaymentID: msg.UUID, AccountID: p.AccountID, AmountCents: p.AmountCents})
 	if err != nil {
 		return nil, err
@@ -405,77 +355,4 @@ func receiptsHandler(receiptsTable string) message.NoPublishHandlerFunc {
 		}
 		return nil
 	}
-}
-
-// handlerRanKey carries an *atomic.Bool that the billing handler sets, so afterCommit can tell
-// a processed delivery (handler ran, inbox committed) from a skipped duplicate.
-type handlerRanKey struct{}
-
-// afterCommit is handler middleware added before (outside) the inbox. When the inbox returns
-// nil after the handler ran, the inbox transaction has committed and the router has not acked
-// yet: it acks after this function returns. With crashAfter > 0 it SIGKILLs the process right
-// there, after its crashAfter-th processed delivery: committed, never acked.
-func afterCommit(crashAfter int, gate *crashGate, ibs inboxes) message.HandlerMiddleware {
-	var processed atomic.Int64
-	return func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			ran := new(atomic.Bool)
-			msg.SetContext(context.WithValue(msg.Context(), handlerRanKey{}, ran))
-			out, err := h(msg)
-			if err != nil || !ran.Load() {
-				return out, err
-			}
-			if n := processed.Add(1); crashAfter > 0 && n == int64(crashAfter) {
-				// SIGKILL cannot be caught: the ack after this return never happens.
-				gate.crashAlone(msg, func() { ibs.report(lineCrash, consumerReport{}) })
-			}
-			return out, err
-		}
-	}
-}
-
-// crashGate is the outermost billing middleware. It lets the consumer's own crashes (crashAlone:
-// after the K-th commit, and inside a poison payment's handler) wait until every other billing
-// delivery has left the inbox, and makes new ones wait before entering it.
-//
-// A real crash lands anywhere, and costs every delivery it interrupts inside the inbox one
-// counted attempt. That is what the design promises, and the orchestrator's mid-stream kill
-// shows it; but it would blur the exact numbers the demo checks for poison payments: a crash
-// between the inbox's attempt count and the handler costs an attempt without a handler run (the
-// message is dead-lettered after one run fewer), and a crash between publishing a dead letter
-// and recording it publishes the dead letter again (dead letters are at least once). So the
-// consumer's own crashes interrupt nothing but the delivery they happen in, and "MaxAttempts
-// handler runs, one dead letter" is checked exactly; and a payment loses at most two attempts to
-// crashes (its delivery and its re-sent duplicate, both inside the inbox at the mid-stream
-// kill), so MaxAttempts 3 still applies it.
-type crashGate struct {
-	mu      sync.RWMutex
-	crashed atomic.Bool
-}
-
-type gateLeaveKey struct{}
-
-func (g *crashGate) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		g.mu.RLock()
-		leave := sync.OnceFunc(g.mu.RUnlock)
-		defer leave()
-		msg.SetContext(context.WithValue(msg.Context(), gateLeaveKey{}, leave))
-		return h(msg)
-	}
-}
-
-// crashAlone SIGKILLs the process, inside the delivery of msg, once no other delivery is in
-// the inbox; report runs just before. Only the first call crashes; later calls return at once.
-func (g *crashGate) crashAlone(msg *message.Message, report func()) {
-	if !g.crashed.CompareAndSwap(false, true) {
-		return
-	}
-	if leave, ok := msg.Context().Value(gateLeaveKey{}).(func()); ok {
-		leave() // this delivery stays in its transaction, but must not wait for itself
-	}
-	g.mu.Lock()
-	report()
-	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-	select {}
 }

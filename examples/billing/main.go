@@ -38,7 +38,10 @@
 // and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/), for
 // -broker=nats INBOX_NATS_URL (default nats://127.0.0.1:4222), for -broker=redis INBOX_REDIS_URL
 // (default redis://127.0.0.1:6379). For -broker=kafka and -broker=sqs the orchestrator starts an
-// in-process kfake cluster or goaws and passes its address to the consumers (brokers.go).
+// in-process kfake cluster or goaws and passes its address to the consumers (inspect.go).
+//
+// consumer.go is the billing service as a user writes it, on package router; crash.go is the
+// demo's instrumentation of it; the other files are the end-to-end test around it.
 package main
 
 import (
@@ -49,17 +52,15 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
 const (
 	defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	defaultAMQPURL     = "amqp://guest:guest@127.0.0.1:5672/"
 
 	roleOrchestrator = "orchestrator"
 	roleConsumer     = "consumer"
-
-	brokerPostgres = "postgres"
-	brokerAMQP     = "amqp"
 )
 
 // options holds the command line of both roles.
@@ -92,13 +93,13 @@ func parseFlags(args []string) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("billing", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", roleOrchestrator, "orchestrator (default) or consumer (internal: the orchestrator starts the consumer)")
-	fs.StringVar(&o.broker, "broker", brokerPostgres, "message broker: postgres (watermill-sql on the same database), amqp (RabbitMQ at INBOX_AMQP_URL), kafka (an in-process kfake cluster), sqs (an in-process goaws), nats (JetStream at INBOX_NATS_URL) or redis (Redis Streams at INBOX_REDIS_URL)")
+	fs.StringVar(&o.broker, "broker", "postgres", "message broker: postgres (watermill-sql on the same database), amqp (RabbitMQ at INBOX_AMQP_URL), kafka (an in-process kfake cluster), sqs (an in-process goaws), nats (JetStream at INBOX_NATS_URL) or redis (Redis Streams at INBOX_REDIS_URL)")
 	fs.IntVar(&o.messages, "messages", 2000, "unique payment messages to publish (at least 20)")
 	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
 	fs.Uint64Var(&o.seed, "seed", 0, "random seed of the workload (0: derived from the clock; printed in the summary)")
 	fs.DurationVar(&o.timeout, "timeout", 120*time.Second, "overall deadline; the run reports FAIL when it passes")
-	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "concurrent AMQP subscriptions (channels) in the consumer, each with prefetch 16")
+	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "AMQP consumers (channels) per subscription in the consumer, each with prefetch 16 (amqp.Config.Consumers)")
 	fs.IntVar(&o.poison, "poison", 3, "payments to the frozen account: poison messages the handler rejects on every attempt (at least 1)")
 	fs.IntVar(&o.maxAttempts, "max-attempts", 3, "inbox MaxAttempts: handler runs before a message is dead-lettered (at least 3: the mid-stream kill may cost a payment two attempts)")
 	fs.BoolVar(&o.verbose, "v", false, "copy the consumers' logs (stderr) to stderr as they run")
@@ -119,8 +120,8 @@ func parseFlags(args []string) (options, error) {
 	switch {
 	case o.role != roleOrchestrator && o.role != roleConsumer:
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
-	case !slices.Contains(allBrokers, o.broker):
-		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(allBrokers, ", "))
+	case !slices.Contains(router.Brokers, o.broker):
+		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(router.Brokers, ", "))
 	case o.messages < 20:
 		return o, errors.New("-messages must be at least 20")
 	case o.accounts < 1:
@@ -146,13 +147,6 @@ func databaseURL() string {
 		return v
 	}
 	return defaultDatabaseURL
-}
-
-func amqpURL() string {
-	if v := os.Getenv("INBOX_AMQP_URL"); v != "" {
-		return v
-	}
-	return defaultAMQPURL
 }
 
 func main() {

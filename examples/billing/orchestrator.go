@@ -19,7 +19,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -52,12 +51,8 @@ type demo struct {
 	accounts, rejections, receipts string
 	// schemaCreated: the schema exists, drop it on success, keep it on failure.
 	schemaCreated bool
-	broker        brokerAdmin
-	// childEnv reaches the in-process broker (kafka, sqs) from the consumers; stopLocalBroker
-	// stops it.
-	childEnv        []string
-	stopLocalBroker func()
-	w               *workload
+	broker        *brokerAdmin
+	w             *workload
 
 	children int
 	running  *child   // the last consumer started, killed on every exit path
@@ -82,13 +77,10 @@ func runOrchestrator(o options) int {
 		fmt.Fprintf(d.out, "kept        schema %s for inspection (drop it with: DROP SCHEMA %s CASCADE)\n", d.schema, d.schema)
 	}
 	if d.broker != nil {
-		_ = d.broker.Close()
+		d.broker.Close()
 	}
 	if d.pool != nil {
 		d.pool.Close()
-	}
-	if d.stopLocalBroker != nil {
-		d.stopLocalBroker()
 	}
 	if err != nil {
 		switch {
@@ -123,37 +115,16 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 		return err
 	}
 	d.pool = pool
-	// Connect to RabbitMQ before creating anything, so an unreachable broker leaves no schema.
-	// watermill-sql's topics are tables in the run's schema: created after it.
-	logger := watermill.NopLogger{}
-	switch {
-	case d.o.broker == brokerAMQP:
-		b, err := newAMQPAdmin(d.topics, logger)
-		if err != nil {
-			return err
-		}
-		d.broker = b
-	case isAdapterBroker(d.o.broker):
-		env, stop, err := startLocalBroker(d.o.broker)
-		if err != nil {
-			return err
-		}
-		d.childEnv, d.stopLocalBroker = env, stop
-		b, err := newAdapterAdmin(d.o.broker, d.topics, logger)
-		if err != nil {
-			return err
-		}
-		d.broker = b
+	// Connect to the broker before creating anything, so an unreachable broker leaves no
+	// schema. The postgres adapter creates its tables on first use, in the run's schema.
+	if d.broker, err = newBrokerAdmin(d.o, pool, d.schema, d.topics); err != nil {
+		return err
 	}
 	if err := d.setup(ctx); err != nil {
 		return err
 	}
-	if d.o.broker == brokerPostgres {
-		b, err := newSQLAdmin(d.pool, d.schema, d.topics, logger)
-		if err != nil {
-			return err
-		}
-		d.broker = b
+	if err := d.broker.createTopics(); err != nil {
+		return err
 	}
 	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison)
 	if err != nil {
@@ -271,7 +242,7 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 		unique, unique, r1.ReceiptsDuplicates+r3.ReceiptsDuplicates+r4.ReceiptsDuplicates)
 	fmt.Fprintf(d.out, "duplicates  %d deliveries skipped by the billing inbox, counted by consumers #1, #3 and #4 (published duplicates and crash redeliveries; consumer #2's counters died with it)\n",
 		r1.Duplicates+r3.Duplicates+r4.Duplicates)
-	fmt.Fprintf(d.out, "broker      %d left after the stop (%s)\n", pendingAfter, d.broker.PendingMeaning())
+	fmt.Fprintf(d.out, "broker      %d left after the stop (%s)\n", pendingAfter, d.broker.pendingMeaning)
 	fmt.Fprintf(d.out, "restarts    3 (consumer started 4 times; 3 crashes: after commit before ack, mid-transaction, inside a poison payment's handler)\n")
 	secs := consumeTime.Seconds()
 	fmt.Fprintf(d.out, "elapsed     %.1fs in total; consumers ran %.1fs: %.0f unique payments/s, %.0f published deliveries/s\n",
@@ -735,7 +706,7 @@ func (d *demo) verifyReceipts(ctx context.Context, unique, total int64) error {
 	return nil
 }
 
-// cleanup deletes the run's queues (AMQP) and schema, after a successful run.
+// cleanup deletes the run's queues and streams and its schema, after a successful run.
 func (d *demo) cleanup() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
