@@ -1,0 +1,171 @@
+package inbox_test
+
+// The middleware's decisions on the in-memory reference store: no database, milliseconds. The
+// same decisions are tested end to end on PostgreSQL in the other files.
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+)
+
+type recorder struct {
+	mu      sync.Mutex
+	results []inbox.Result
+}
+
+func (r *recorder) ObserveDelivery(_ context.Context, res inbox.Result) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.results = append(r.results, res)
+}
+
+func (r *recorder) outcomes() []inbox.Outcome {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []inbox.Outcome
+	for _, res := range r.results {
+		out = append(out, res.Outcome)
+	}
+	return out
+}
+
+type memPublisher struct {
+	mu   sync.Mutex
+	msgs []*message.Message
+	down bool
+}
+
+func (p *memPublisher) Publish(_ string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.down {
+		return errors.New("dead-letter broker down")
+	}
+	p.msgs = append(p.msgs, msgs...)
+	return nil
+}
+func (p *memPublisher) Close() error { return nil }
+
+// TestOutcomesOnMemStore walks one message through every outcome the dead-letter path has,
+// and checks each is reported once, with the attempt count, and the business value.
+func TestOutcomesOnMemStore(t *testing.T) {
+	store := storetest.NewMemStore()
+	rec := &recorder{}
+	dl := &memPublisher{}
+	failing := true
+	ib, err := inbox.New(inbox.Config{
+		Store: store, ConsumerName: "billing", Observer: rec,
+		DeadLetterPublisher: dl, DeadLetterTopic: "dead", MaxAttempts: 2,
+		Redelivery: func(m *message.Message) inbox.Redelivery {
+			if m.Metadata.Get("redelivered") == "true" {
+				return inbox.Redelivered
+			}
+			return inbox.FirstDelivery
+		},
+	}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := storetest.MemTxFromContext(msg.Context())
+		tx.Add("balance", 10)
+		if failing {
+			return nil, errors.New("ledger down")
+		}
+		return nil, nil
+	})
+	deliver := func(id string, redelivered bool) error {
+		m := message.NewMessage(id, []byte("p"))
+		if redelivered {
+			m.Metadata.Set("redelivered", "true")
+		}
+		_, err := h(m)
+		return err
+	}
+	key := inbox.Key{MessageID: "m1", ConsumerName: "billing"}
+	// First delivery fails: counted after the fact, nacked.
+	if err := deliver("m1", false); err == nil {
+		t.Fatal("failed delivery acked")
+	}
+	if n := store.Records()[key].Attempts; n != 1 {
+		t.Fatalf("attempts after one failure = %d, want 1", n)
+	}
+	// Redelivery fails: counted before, second attempt: dead-lettered, acked.
+	if err := deliver("m1", true); err != nil {
+		t.Fatalf("dead-lettered delivery nacked: %v", err)
+	}
+	// Later deliveries are skipped.
+	if err := deliver("m1", true); err != nil {
+		t.Fatal(err)
+	}
+	// Another message: processed, then a duplicate; a collision is dead-lettered.
+	failing = false
+	for _, d := range []struct {
+		id      string
+		payload string
+	}{{"m2", "p"}, {"m2", "p"}} {
+		m := message.NewMessage(d.id, []byte(d.payload))
+		if _, err := h(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := h(message.NewMessage("m2", []byte("other payload"))); err != nil {
+		t.Fatal(err)
+	}
+	want := []inbox.Outcome{inbox.OutcomeFailedRetryable, inbox.OutcomeDeadLettered, inbox.OutcomeDeadLetteredSkip,
+		inbox.OutcomeProcessed, inbox.OutcomeDuplicate, inbox.OutcomeDeadLettered}
+	got := rec.outcomes()
+	if len(got) != len(want) {
+		t.Fatalf("outcomes %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("outcomes %v, want %v", got, want)
+		}
+	}
+	if a := rec.results[1].Attempts; a != 2 {
+		t.Fatalf("dead letter reported %d attempts, want 2", a)
+	}
+	if v := store.Value("balance"); v != 10 {
+		t.Fatalf("balance %d, want 10 (only m2's one commit)", v)
+	}
+	if len(dl.msgs) != 2 || !store.Records()[key].DeadLettered {
+		t.Fatalf("dead letters %d, record %+v", len(dl.msgs), store.Records()[key])
+	}
+	if s := ib.Stats(); s.Processed != 1 || s.Duplicates != 1 || s.DeadLettered != 2 || s.DeadLetteredSkips != 1 || s.Failed != 1 || s.Collisions != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+// TestAbandonedDeliveryOnMemStore: a delivery whose consumer shuts down mid-handler takes its
+// count back, on the reference store too.
+func TestAbandonedDeliveryOnMemStore(t *testing.T) {
+	store := storetest.NewMemStore()
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing", DeadLetterPublisher: &memPublisher{}, DeadLetterTopic: "dead", MaxAttempts: 1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		cancel() // the router closes
+		return nil, msg.Context().Err()
+	})
+	m := message.NewMessage("m1", nil)
+	m.SetContext(ctx)
+	if _, err := h(m); err == nil {
+		t.Fatal("abandoned delivery acked")
+	}
+	if r := store.Records(); len(r) != 0 {
+		t.Fatalf("records after an abandoned delivery: %+v, want none", r)
+	}
+	if s := ib.Stats(); s.DeadLettered != 0 || s.Failed != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
