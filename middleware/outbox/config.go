@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"regexp"
 	"strings"
 
 	wmsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -12,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // DefaultTopic is the default outbox topic. With watermill-sql's table naming it is stored in
@@ -21,10 +21,6 @@ const DefaultTopic = "inbox_outbox"
 // MaxTopicBytes is the longest accepted outbox topic: PostgreSQL truncates identifiers to 63
 // bytes, and the longest table name derived from the topic is "watermill_offsets_<topic>".
 const MaxTopicBytes = 63 - len("watermill_offsets_")
-
-// identifierRE accepts unquoted-style PostgreSQL identifiers of at most 63 bytes: a letter or
-// underscore, then letters, digits or underscores (the rule pgstore applies to its names).
-var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 
 // Config names the outbox: the watermill-sql topic every produced message is stored in, inside
 // a components/forwarder envelope that names its destination topic. The same Config must be
@@ -49,13 +45,11 @@ func (c *Config) setDefaults() {
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Topic or Schema.
 // Constructors call it after filling defaults.
 func (c Config) Validate() error {
-	if !identifierRE.MatchString(c.Topic) || len(c.Topic) > MaxTopicBytes {
-		return fmt.Errorf("%w: outbox: topic %q: want letters, digits and underscores, not starting with a digit, at most %d bytes",
-			inbox.ErrInvalidConfig, c.Topic, MaxTopicBytes)
+	if err := pgstore.ValidateIdentifier("outbox: topic", c.Topic, MaxTopicBytes); err != nil {
+		return err
 	}
-	if c.Schema != "" && !identifierRE.MatchString(c.Schema) {
-		return fmt.Errorf("%w: outbox: schema %q: want letters, digits and underscores, not starting with a digit, at most 63 bytes",
-			inbox.ErrInvalidConfig, c.Schema)
+	if c.Schema != "" {
+		return pgstore.ValidateIdentifier("outbox: schema", c.Schema, 63)
 	}
 	return nil
 }

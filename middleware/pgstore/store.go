@@ -56,6 +56,19 @@ const (
 // (NAMEDATALEN-1): a letter or underscore, then letters, digits or underscores.
 var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 
+// ValidateIdentifier checks a name the project turns into a PostgreSQL identifier (a schema, a
+// table, an outbox topic): a letter or underscore, then letters, digits or underscores, at
+// most maxBytes bytes (at most 63, PostgreSQL's NAMEDATALEN-1; a longer name would be
+// truncated silently). It returns nil or an error wrapping inbox.ErrInvalidConfig that names
+// what (e.g. "pgstore: table name"). Names are always quoted as well (pgx.Identifier).
+func ValidateIdentifier(what, name string, maxBytes int) error {
+	if !identifierRE.MatchString(name) || len(name) > min(maxBytes, 63) {
+		return fmt.Errorf("%w: %s %q: want letters, digits and underscores, not starting with a digit, at most %d bytes",
+			inbox.ErrInvalidConfig, what, name, min(maxBytes, 63))
+	}
+	return nil
+}
+
 // Config names the inbox table and holds the PostgreSQL settings of the inbox transaction.
 // Names are validated against identifierRE and always quoted.
 type Config struct {
@@ -117,11 +130,11 @@ func newNames(cfg Config) (*Store, error) {
 	if cfg.Table == "" {
 		cfg.Table = DefaultTable
 	}
-	if !identifierRE.MatchString(cfg.Schema) {
-		return nil, fmt.Errorf("%w: pgstore: schema name %q: want letters, digits and underscores, not starting with a digit, at most 63 bytes", inbox.ErrInvalidConfig, cfg.Schema)
+	if err := ValidateIdentifier("pgstore: schema name", cfg.Schema, 63); err != nil {
+		return nil, err
 	}
-	if !identifierRE.MatchString(cfg.Table) || len(cfg.Table) > 47 {
-		return nil, fmt.Errorf("%w: pgstore: table name %q: want letters, digits and underscores, not starting with a digit, at most 47 bytes", inbox.ErrInvalidConfig, cfg.Table)
+	if err := ValidateIdentifier("pgstore: table name", cfg.Table, 47); err != nil {
+		return nil, err
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
 	attempts := pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize()
@@ -207,12 +220,12 @@ func (s *Store) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox
 //
 //   - with CountFirst: BEGIN; SET LOCAL synchronous_commit TO OFF; the local timeouts;
 //     pg_advisory_lock on the key (a session-level lock, held until the claim transaction
-//     ends, so counted deliveries of one key count one at a time); the count (INSERT ...
-//     SELECT ... WHERE NOT EXISTS (processed) ON CONFLICT DO UPDATE SET attempts = attempts
-//   - 1); COMMIT;
-//   - BEGIN ISOLATION LEVEL ...; the local timeouts; one statement that claims and, when
-//     the claim inserted, deletes the key's attempt record RETURNING it; SAVEPOINT, so Fail
-//     can undo the handler's writes and keep the transaction to record the failure.
+//     ends, so counted deliveries of one key count one at a time); the count, unless the key
+//     is processed (INSERT ... SELECT ... WHERE NOT EXISTS ... ON CONFLICT DO UPDATE SET
+//     attempts = attempts + 1); COMMIT;
+//   - BEGIN ISOLATION LEVEL ...; the local timeouts; the claim; the key's attempt record, read
+//     by a statement of its own (so that under READ COMMITTED it sees what a delivery that
+//     held the claim before recorded).
 //
 // The count commits asynchronously (synchronous_commit off): it survives any crash of the
 // consumer and any rollback; only a crash of the PostgreSQL server itself within
@@ -281,7 +294,6 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 			res.Record.DeadLetterReason = deref(reason)
 			return err
 		})
-		b.Queue("savepoint inbox_handler")
 	}
 	br := conn.Conn().SendBatch(ctx, b)
 	t.tx = br.Tx()
@@ -350,21 +362,31 @@ const maxErrorBytes = 1024
 
 // AdjustAttempts implements inbox.AttemptStore.
 func (s *Store) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int, error) {
+	return s.adjust(ctx, s.pool, p)
+}
+
+// querier is what adjust runs on: the pool, or a connection acquired from it.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+func (s *Store) adjust(ctx context.Context, q querier, p inbox.AttemptParams) (int, error) {
 	k := p.Key
 	var n int32
 	var err error
 	if p.AttemptsDelta > 0 {
-		err = s.pool.QueryRow(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, attempts, last_error)"+
+		err = q.QueryRow(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, attempts, last_error)"+
 			" SELECT $1, $2, $3, $4 WHERE NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE message_id = $1 AND consumer_name = $2)"+
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + EXCLUDED.attempts,"+
 			" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now()"+
 			" RETURNING a.attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
 	} else {
-		err = s.pool.QueryRow(ctx, "UPDATE "+s.attempts+" SET attempts = greatest(attempts + $3, 0),"+
+		err = q.QueryRow(ctx, "UPDATE "+s.attempts+" SET attempts = greatest(attempts + $3, 0),"+
 			" last_error = coalesce($4, last_error) WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL"+
 			" RETURNING attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
 		if err == nil && n == 0 {
-			_, err = s.pool.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
+			_, err = q.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
 				" AND attempts = 0 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
 		}
 	}
@@ -505,8 +527,8 @@ func (t *claimTx) Context(ctx context.Context) context.Context {
 }
 
 // end runs f on a context detached from ctx's cancellation and bounded by the finish
-// timeout, then releases the advisory lock (when held) and the connection. A connection
-// whose lock cannot be released is closed, so the lock cannot outlive the delivery.
+// timeout, then releases the advisory lock (when held and f did not) and the connection. A
+// connection whose lock cannot be released is closed, so the lock cannot outlive the delivery.
 func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error {
 	if t.ended {
 		return nil
@@ -516,7 +538,7 @@ func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error 
 	defer cancel()
 	err := f(dctx)
 	if t.locked {
-		if _, uerr := t.conn.Exec(dctx, "select pg_advisory_unlock_all()"); uerr != nil {
+		if _, uerr := t.conn.Exec(dctx, unlockSQL); uerr != nil {
 			_ = t.conn.Conn().Close(dctx)
 		}
 	}
@@ -524,39 +546,69 @@ func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error 
 	return err
 }
 
-// Commit commits. For a counted claim whose key may have an attempt record, the record's
-// removal follows COMMIT in the same round trip, in a statement of its own (so it sees
-// records committed after the claim's snapshot); a crash between the two leaves a stale
-// record of a processed key, which the next counted duplicate of the key removes.
+// unlockSQL releases the key's advisory lock (the only session lock the store takes).
+const unlockSQL = "select pg_advisory_unlock_all()"
+
+// finishPipeline sends sqls (no parameters but the key, given as $1 and $2 where used) as
+// unnamed statements in one pipeline, then, when the transaction holds the key's advisory
+// lock, the unlock. It returns each statement's result in order (fewer after an error: the
+// server skips the rest of the pipeline) and whether the lock was released.
+func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn.Result, error) {
+	b := &pgconn.Batch{}
+	key := [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}
+	for _, q := range sqls {
+		var args [][]byte
+		if strings.Contains(q, "$1") {
+			args = key
+		}
+		b.ExecParams(q, args, nil, nil, nil)
+	}
+	if t.locked {
+		b.ExecParams(unlockSQL, nil, nil, nil, nil)
+	}
+	results, err := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
+	if t.locked && err == nil && len(results) == len(sqls)+1 && results[len(sqls)].Err == nil {
+		t.locked = false
+	}
+	return results, err
+}
+
+// Commit commits, in one round trip with whatever must accompany it. For a counted claim whose
+// key may have an attempt record, the record is deleted: under READ COMMITTED by a statement
+// just before COMMIT, in the transaction (it sees records committed after the claim, and
+// commits or rolls back with the claim); under REPEATABLE READ and SERIALIZABLE, whose snapshot
+// could miss such a record, by a statement just after COMMIT (a crash between the two leaves
+// a stale record of a processed key, which the key's next duplicate removes). A held advisory
+// lock is released in the same pipeline.
 //
 // An error wraps inbox.ErrCommitRolledBack when the rollback is certain: the server answered
 // ROLLBACK (a statement in the transaction had failed) or COMMIT raised an error (a
 // *pgconn.PgError, such as a deferred constraint's SQLSTATE 23505, or 40001 under
-// SERIALIZABLE, which Retryable also reports). Any other error leaves the outcome unknown.
+// SERIALIZABLE, which Retryable also reports). Any other error leaves the outcome unknown, or
+// reports that the clean-up before COMMIT failed (nothing committed; not the message's fault).
 func (t *claimTx) Commit(ctx context.Context) error {
 	return t.end(ctx, func(ctx context.Context) error {
-		var err error
+		sqls, commitAt := []string{"commit"}, 0
 		if t.counted && t.dirty {
-			// Unnamed statements in one pipeline (pgconn's batch): no prepare round trip, so
-			// COMMIT is on the wire at once, as with pgx's own Tx.Commit.
-			b := &pgconn.Batch{}
-			b.ExecParams("commit", nil, nil, nil, nil)
-			b.ExecParams(t.s.clearSQL, [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}, nil, nil, nil)
-			results, rerr := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
-			committed := len(results) > 0 && results[0].Err == nil && results[0].CommandTag.String() == "COMMIT"
-			switch {
-			case committed:
-				// The commit is certain; a failed clean-up only leaves a stale record.
-				err = nil
-			case len(results) > 0 && results[0].Err != nil:
-				err = results[0].Err
-			case len(results) > 0:
-				err = pgx.ErrTxCommitRollback
-			default:
-				err = rerr
+			if t.iso == pgx.ReadCommitted {
+				sqls, commitAt = []string{t.s.clearSQL, "commit"}, 1
+			} else {
+				sqls = []string{"commit", t.s.clearSQL}
 			}
-		} else {
-			err = t.tx.Commit(ctx)
+		}
+		results, err := t.finishPipeline(ctx, sqls...)
+		switch {
+		case commitAt == 1 && len(results) > 0 && results[0].Err != nil:
+			// The clean-up failed (a lock wait, say): the transaction is aborted, not
+			// committed; roll it back. Not a certain rollback of the handler's doing.
+			_, _ = t.conn.Exec(ctx, "rollback")
+			return fmt.Errorf("clear the attempt record before COMMIT: %w", results[0].Err)
+		case len(results) > commitAt && results[commitAt].Err != nil:
+			err = results[commitAt].Err
+		case len(results) > commitAt && results[commitAt].CommandTag.String() != "COMMIT":
+			err = pgx.ErrTxCommitRollback
+		case len(results) > commitAt:
+			return nil // committed; a failed clean-up after COMMIT only leaves a stale record
 		}
 		var pgErr *pgconn.PgError
 		if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
@@ -568,73 +620,48 @@ func (t *claimTx) Commit(ctx context.Context) error {
 
 func (t *claimTx) Rollback(ctx context.Context) error {
 	return t.end(ctx, func(ctx context.Context) error {
-		if err := t.tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
-			return err
+		results, err := t.finishPipeline(ctx, "rollback")
+		if err == nil && len(results) > 0 {
+			err = results[0].Err
 		}
-		return nil
+		return err
 	})
 }
 
-// Fail implements inbox.CountedTx. In one round trip: ROLLBACK TO SAVEPOINT (the handler's
-// writes); the attempt record updated (AttemptsDelta added, the error stored); the claim row
-// deleted; COMMIT. The claim row is released only by that COMMIT, so a copy waiting on it
-// reads the updated record. If that fails (a serialization failure under REPEATABLE READ, a
-// broken connection), the transaction is rolled back and the change is applied with
-// AdjustAttempts afterwards, best effort.
+// failAcquireTimeout bounds Fail's wait for a second pool connection; past it Fail records
+// after the rollback instead.
+const failAcquireTimeout = 500 * time.Millisecond
+
+// Fail implements inbox.CountedTx. It updates the attempt record (AttemptsDelta added, the
+// error stored) on a second pool connection, committed while this transaction still holds
+// the claim, and only then rolls this transaction back (the handler's writes and the claim),
+// so a copy waiting on the claim reads the updated record. When no second connection is free
+// within failAcquireTimeout (a pool exhausted by deliveries that all fail at once), it rolls
+// back first and updates the record afterwards: a copy racing that update may read the count
+// one short.
 func (t *claimTx) Fail(ctx context.Context, p inbox.FailParams) (int, error) {
 	if t.ended {
 		return 0, nil
 	}
-	k := t.key
-	errText := nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))
-	attempts := int32(max(t.rec.Attempts+p.AttemptsDelta, 0))
-	committed := false
-	err := t.end(ctx, func(ctx context.Context) error {
-		b := &pgx.Batch{}
-		b.Queue("rollback to savepoint inbox_handler")
-		scan := func(row pgx.Row) error {
-			err := row.Scan(&attempts)
-			if errors.Is(err, pgx.ErrNoRows) {
-				attempts = 0
-				return nil
-			}
-			return err
-		}
-		switch {
-		case p.AttemptsDelta > 0:
-			b.Queue("INSERT INTO "+t.s.attempts+" AS a (message_id, consumer_name, attempts, last_error) VALUES ($1, $2, $3, $4)"+
-				" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + EXCLUDED.attempts,"+
-				" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now() RETURNING a.attempts",
-				k.MessageID, k.ConsumerName, p.AttemptsDelta, errText).QueryRow(scan)
-		case p.AttemptsDelta < 0 || errText != nil:
-			b.Queue("UPDATE "+t.s.attempts+" SET attempts = greatest(attempts + $3, 0), last_error = coalesce($4, last_error)"+
-				" WHERE message_id = $1 AND consumer_name = $2 RETURNING attempts",
-				k.MessageID, k.ConsumerName, p.AttemptsDelta, errText).QueryRow(scan)
-			b.Queue("DELETE FROM "+t.s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
-				" AND attempts = 0 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
-		}
-		b.Queue("DELETE FROM "+t.s.table+" WHERE message_id = $1 AND consumer_name = $2", k.MessageID, k.ConsumerName)
-		b.Queue("commit").Exec(func(ct pgconn.CommandTag) error {
-			committed = ct.String() == "COMMIT"
-			return nil
-		})
-		err := t.conn.Conn().SendBatch(ctx, b).Close()
-		if err == nil && !committed {
-			err = errors.New("commit answered ROLLBACK")
-		}
-		if err != nil {
-			_, _ = t.conn.Exec(ctx, "rollback")
-		}
-		return err
-	})
-	if err == nil {
-		return int(attempts), nil
-	}
-	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
 	defer cancel()
-	got, aerr := t.s.AdjustAttempts(actx, inbox.AttemptParams{Key: k, AttemptsDelta: p.AttemptsDelta, Error: p.Error})
-	if aerr != nil {
-		return 0, fmt.Errorf("record the failure: %w (then: %w)", err, aerr)
+	params := inbox.AttemptParams{Key: t.key, AttemptsDelta: p.AttemptsDelta, Error: p.Error}
+	actx, acancel := context.WithTimeout(dctx, min(t.finish, failAcquireTimeout))
+	conn, err := t.s.pool.Acquire(actx)
+	acancel()
+	if err != nil {
+		rerr := t.Rollback(ctx)
+		n, aerr := t.s.adjust(dctx, t.s.pool, params)
+		if aerr != nil {
+			return 0, fmt.Errorf("record the failure: %w", errors.Join(aerr, rerr))
+		}
+		return n, rerr
 	}
-	return got, nil
+	n, aerr := t.s.adjust(dctx, conn, params)
+	conn.Release()
+	rerr := t.Rollback(ctx)
+	if aerr != nil {
+		return 0, fmt.Errorf("record the failure: %w", errors.Join(aerr, rerr))
+	}
+	return n, rerr
 }
