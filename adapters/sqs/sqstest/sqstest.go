@@ -23,7 +23,7 @@
 // log (every message body at Info level) is discarded.
 //
 // goaws's limits, which tests must name where they matter (see
-// /work/shared/notes/infrastructure.md):
+// the infrastructure notes beside the repository, shared/notes/infrastructure.md):
 //   - ApproximateReceiveCount is always 1;
 //   - a per-receive VisibilityTimeout is ignored, only the queue attribute counts (leave
 //     SubscriberConfig.VisibilityTimeout at 0 and set the queue attribute "VisibilityTimeout");
