@@ -441,3 +441,58 @@ func TestReasonsNameTheCause(t *testing.T) {
 		t.Fatal("not marked dead-lettered")
 	}
 }
+
+// TestConfigurationFaultsAreNotAttempts: a handler whose statements fail because of the
+// deployment (a missing table, SQLSTATE 42P01; a missing column, 42703; a missing privilege,
+// 42501) is nacked without using up an attempt, even with MaxAttempts 1: once the operator
+// fixes it, the message is processed.
+func TestConfigurationFaultsAreNotAttempts(t *testing.T) {
+	for name, stmt := range map[string]string{
+		"42P01-undefined-table":  "INSERT INTO not_created_yet VALUES (1)",
+		"42703-undefined-column": "UPDATE accounts SET not_a_column = 1 WHERE id = 1",
+		"42501-no-privilege":     "INSERT INTO locked_down VALUES (1)",
+	} {
+		t.Run(name, func(t *testing.T) {
+			e := newEnv(t, 4)
+			e.exec("CREATE TABLE locked_down (x int)")
+			role := e.sch.Name + "_ro"
+			e.exec("CREATE ROLE " + role)
+			t.Cleanup(func() { e.exec("DROP OWNED BY " + role + "; DROP ROLE " + role) })
+			e.exec("GRANT USAGE ON SCHEMA " + e.sch.Name + " TO " + role)
+			e.exec("GRANT SELECT, INSERT, UPDATE, DELETE ON accounts, inbox_processed_messages, inbox_processed_messages_attempts TO " + role)
+			dl := newDeadLetters(t)
+			ib := e.inbox("billing", withDeadLetters(dl, 1))
+			fixed := false
+			h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := pgstore.TxFromContext(msg.Context())
+				if !fixed {
+					if _, err := tx.Exec(msg.Context(), "SET LOCAL ROLE "+role); err != nil {
+						return nil, err
+					}
+					if _, err := tx.Exec(msg.Context(), stmt); err != nil {
+						return nil, err
+					}
+				}
+				_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + 3 WHERE id = 1")
+				return nil, err
+			})
+			msg := paymentMsg("m-config", 1, 3)
+			for i := range 3 {
+				if err := deliver(h, msg); err == nil {
+					t.Fatalf("delivery %d acked although its statement failed", i+1)
+				}
+			}
+			if n, _, dead := e.attemptsRow(msg.UUID); n != 0 || dead {
+				t.Fatalf("attempts %d, dead-lettered %v after configuration faults; want 0, false", n, dead)
+			}
+			fixed = true
+			if err := deliver(h, msg); err != nil {
+				t.Fatalf("after the fix: %v", err)
+			}
+			if b := e.balance(1); b != 3 {
+				t.Fatalf("balance %d, want 3", b)
+			}
+			dl.wait(t, 0)
+		})
+	}
+}

@@ -210,8 +210,8 @@ const (
 	failMessage failKind = iota + 1
 	// failRetryable: a transient conflict (40001, 40P01); retried in process.
 	failRetryable
-	// failInfrastructure: the claim failed or the commit's outcome is unknown: not the
-	// message's failure.
+	// failInfrastructure: the claim failed, the commit's outcome is unknown, or the store
+	// reports a configuration fault (FaultClassifier): not the message's failure.
 	failInfrastructure
 	// failAbandoned: the delivery's own consumer is shutting down (its context was
 	// cancelled): not the message's failure.
@@ -348,6 +348,8 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		return nil
 	case i.cfg.Store.Retryable(err):
 		return &failure{kind: failRetryable, err: fmt.Errorf("inbox: commit: %w", err)}
+	case i.configurationFault(err):
+		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: commit: %w", err)}
 	case errors.Is(err, ErrCommitRolledBack):
 		// Rolled back for certain: the transaction's own doing, so it is the message's
 		// failure. The transaction is gone: record it outside.
@@ -370,13 +372,15 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 	switch {
 	case i.cfg.Store.Retryable(herr):
 		kind = failRetryable
+	case i.configurationFault(herr):
+		kind = failInfrastructure
 	case errors.Is(d.ctx.Err(), context.Canceled):
 		// The consumer is shutting down (the router cancels message contexts on Close):
 		// not the message's failure.
 		kind = failAbandoned
 	}
 	f := &failure{kind: kind, err: herr}
-	if counted == nil || kind == failRetryable {
+	if counted == nil || kind == failRetryable || kind == failInfrastructure {
 		// A retryable failure keeps the delivery's count (restored by the rollback) for
 		// the next try; deliver takes it back if no try succeeds.
 		_ = tx.Rollback(d.ctx)
@@ -392,6 +396,17 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 	}
 	d.counted, d.attempts, f.attempts = false, n, n
 	return f
+}
+
+// configurationFault reports whether the store classifies err as the deployment's fault
+// (inbox.FaultClassifier), and logs it at ERROR when so.
+func (i *Inbox) configurationFault(err error) bool {
+	fc, ok := i.cfg.Store.(FaultClassifier)
+	if !ok || !fc.ConfigurationFault(err) {
+		return false
+	}
+	i.logger.Error("Configuration fault: the delivery is nacked without using up an attempt; no message can succeed until it is fixed", err, nil)
+	return true
 }
 
 // adjust applies delta to the message's attempt record outside a transaction, and returns

@@ -189,6 +189,19 @@ type AttemptStore interface {
 	Replay(ctx context.Context, p AttemptParams) (bool, error)
 }
 
+// FaultClassifier is an optional capability of a Store: it recognises errors that are the
+// deployment's fault, not the message's (a missing privilege, a missing table or column),
+// so the inbox nacks such a delivery without using up one of its attempts, and logs it at
+// ERROR: no message can succeed until an operator fixes the configuration.
+type FaultClassifier interface {
+	// ConfigurationFault reports whether err (from the handler's statements, the outbox or
+	// COMMIT) is a configuration fault. pgstore: SQLSTATE class 42 (syntax error or access
+	// rule violation: 42501 insufficient_privilege, 42P01 undefined_table, 42703
+	// undefined_column...), class 28 (invalid authorization), 3D000 and 3F000 (no such
+	// database or schema).
+	ConfigurationFault(err error) bool
+}
+
 // PurgeParams are the inputs of Purger.Purge.
 type PurgeParams struct {
 	// Before: rows of processed messages older than this are deleted.

@@ -99,9 +99,10 @@ type Store struct {
 }
 
 var (
-	_ inbox.Store        = (*Store)(nil)
-	_ inbox.AttemptStore = (*Store)(nil)
-	_ inbox.Purger       = (*Store)(nil)
+	_ inbox.Store           = (*Store)(nil)
+	_ inbox.AttemptStore    = (*Store)(nil)
+	_ inbox.Purger          = (*Store)(nil)
+	_ inbox.FaultClassifier = (*Store)(nil)
 )
 
 // New returns a Store on pool, or an error wrapping inbox.ErrInvalidConfig for a nil pool, an
@@ -466,6 +467,22 @@ func (s *Store) Retryable(err error) bool {
 		return pgErr.Code == SQLStateSerializationFailure || pgErr.Code == SQLStateDeadlockDetected
 	}
 	return false
+}
+
+// ConfigurationFault implements inbox.FaultClassifier: SQLSTATE class 42 (syntax error or
+// access rule violation, e.g. 42501 insufficient_privilege, 42P01 undefined_table, 42703
+// undefined_column), class 28 (invalid authorization specification), 3D000
+// (invalid_catalog_name) and 3F000 (invalid_schema_name).
+func (s *Store) ConfigurationFault(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch {
+	case strings.HasPrefix(pgErr.Code, "42"), strings.HasPrefix(pgErr.Code, "28"):
+		return true
+	}
+	return pgErr.Code == "3D000" || pgErr.Code == "3F000"
 }
 
 func nullIfEmpty(s string) any {
