@@ -2,6 +2,7 @@ package inbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -74,4 +75,63 @@ func (i *Inbox) Replay(ctx context.Context, messageID string) (bool, error) {
 		return false, fmt.Errorf("%w: Replay needs a Store that implements AttemptStore; %T does not", ErrInvalidConfig, i.cfg.Store)
 	}
 	return as.Replay(ctx, AttemptParams{Key: Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName}})
+}
+
+// ErrNotDeadLettered is returned by ReplayDeadLetter when the dead letter's key is not in the
+// dead-lettered state for this consumer: already replayed, never marked (a key collision, whose
+// key belongs to the message that was processed), or dead-lettered by another consumer's inbox.
+var ErrNotDeadLettered = errors.New("inbox: the message is not dead-lettered for this consumer")
+
+// deadLetterKeys are the metadata keys a dead letter carries that ReplayDeadLetter removes
+// before republishing: Watermill's PoisonQueue keys and the inbox's own.
+var deadLetterKeys = []string{
+	wmmiddleware.ReasonForPoisonedKey, wmmiddleware.PoisonedTopicKey, wmmiddleware.PoisonedHandlerKey,
+	wmmiddleware.PoisonedSubscriberKey, DeadLetterAttemptsKey, DeadLetterConsumerKey, DeadLetterMessageKeyKey,
+}
+
+// ReplayDeadLetter replays dl, a message read from this inbox's dead-letter topic: it clears
+// the dead-lettered state of the key the dead letter names (metadata DeadLetterMessageKeyKey,
+// which is the business key when the inbox uses MetadataKey, so replaying by msg.UUID is never
+// needed), then publishes a copy with pub to the topic the message was consumed from
+// (metadata topic_poisoned), with the same UUID and payload and without the dead-letter
+// metadata, so the next delivery runs the handler again. If the publish fails, the
+// dead-lettered state is restored (best effort) and the error returned; the call can be
+// repeated.
+//
+// Errors: ErrInvalidConfig (wrapped) when dl names another consumer (DeadLetterConsumerKey),
+// has no topic_poisoned, or the Store is not an AttemptStore; an *InvalidKeyError when dl
+// names no valid key (an invalid key's dead letter cannot be replayed); ErrNotDeadLettered
+// when the key is not dead-lettered; the publisher's error.
+func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub message.Publisher) error {
+	if c := dl.Metadata.Get(DeadLetterConsumerKey); c != i.cfg.ConsumerName {
+		return fmt.Errorf("%w: dead letter %s belongs to consumer %q, not %q", ErrInvalidConfig, safeUUID(dl.UUID), c, i.cfg.ConsumerName)
+	}
+	topic := dl.Metadata.Get(wmmiddleware.PoisonedTopicKey)
+	if topic == "" {
+		return fmt.Errorf("%w: dead letter %s has no %s metadata", ErrInvalidConfig, safeUUID(dl.UUID), wmmiddleware.PoisonedTopicKey)
+	}
+	key := dl.Metadata.Get(DeadLetterMessageKeyKey)
+	replayed, err := i.Replay(ctx, key)
+	if err != nil {
+		return err
+	}
+	if !replayed {
+		return fmt.Errorf("%w: key of dead letter %s", ErrNotDeadLettered, safeUUID(dl.UUID))
+	}
+	m := message.NewMessage(dl.UUID, dl.Payload)
+	for k, v := range dl.Metadata {
+		m.Metadata.Set(k, v)
+	}
+	for _, k := range deadLetterKeys {
+		delete(m.Metadata, k)
+	}
+	if err := pub.Publish(topic, m); err != nil {
+		as := i.cfg.Store.(AttemptStore) // Replay succeeded, so it is one
+		if merr := as.MarkDeadLettered(context.WithoutCancel(ctx), AttemptParams{Key: Key{MessageID: key, ConsumerName: i.cfg.ConsumerName},
+			Error: dl.Metadata.Get(wmmiddleware.ReasonForPoisonedKey)}); merr != nil {
+			return fmt.Errorf("inbox: republishing dead letter %s: %w (and restoring its dead-lettered state: %w)", safeUUID(dl.UUID), err, merr)
+		}
+		return fmt.Errorf("inbox: republishing dead letter %s: %w", safeUUID(dl.UUID), err)
+	}
+	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
@@ -167,5 +168,71 @@ func TestAbandonedDeliveryOnMemStore(t *testing.T) {
 	}
 	if s := ib.Stats(); s.DeadLettered != 0 || s.Failed != 1 {
 		t.Fatalf("stats %+v", s)
+	}
+}
+
+// TestReplayDeadLetterOnMemStore: a consumer keyed by a business key dead-letters a message;
+// ReplayDeadLetter clears the key named in the dead letter (not the UUID) and republishes the
+// message without the dead-letter metadata to its topic; the handler, fixed, runs once. A
+// second replay, and a replay by another consumer, are refused.
+func TestReplayDeadLetterOnMemStore(t *testing.T) {
+	store := storetest.NewMemStore()
+	dl := &memPublisher{}
+	ke, err := inbox.MetadataKey("order_id")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "orders", KeyExtractor: ke,
+		DeadLetterPublisher: dl, DeadLetterTopic: "dead", MaxAttempts: 1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	broken := true
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if broken {
+			return nil, errors.New("bug")
+		}
+		tx, _ := storetest.MemTxFromContext(msg.Context())
+		tx.Add("reserved", 1)
+		return nil, nil
+	})
+	msg := message.NewMessage("uuid-1", []byte("order"))
+	msg.Metadata.Set("order_id", "order-42")
+	if _, err := h(msg); err != nil {
+		t.Fatalf("dead-lettered delivery: %v", err)
+	}
+	if len(dl.msgs) != 1 {
+		t.Fatalf("dead letters %d", len(dl.msgs))
+	}
+	dead := dl.msgs[0]
+	// A router sets the topic the message was consumed from; without one the test does.
+	dead.Metadata.Set(wmmiddleware.PoisonedTopicKey, "orders")
+	if replayed, err := ib.Replay(context.Background(), dead.UUID); err != nil || replayed {
+		t.Fatalf("Replay by UUID = %v, %v; want false: the key is the order ID", replayed, err)
+	}
+	other, _ := inbox.New(inbox.Config{Store: store, ConsumerName: "shipping"}, nil)
+	republished := &memPublisher{}
+	if err := other.ReplayDeadLetter(context.Background(), dead, republished); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("replay by another consumer: %v, want ErrInvalidConfig", err)
+	}
+	broken = false
+	if err := ib.ReplayDeadLetter(context.Background(), dead, republished); err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.ReplayDeadLetter(context.Background(), dead, republished); !errors.Is(err, inbox.ErrNotDeadLettered) {
+		t.Fatalf("second replay: %v, want ErrNotDeadLettered", err)
+	}
+	if len(republished.msgs) != 1 {
+		t.Fatalf("republished %d messages, want 1", len(republished.msgs))
+	}
+	again := republished.msgs[0]
+	if again.UUID != "uuid-1" || again.Metadata.Get("order_id") != "order-42" || again.Metadata.Get(inbox.DeadLetterAttemptsKey) != "" {
+		t.Fatalf("republished %s %v", again.UUID, again.Metadata)
+	}
+	if _, err := h(again); err != nil {
+		t.Fatal(err)
+	}
+	if v := store.Value("reserved"); v != 1 {
+		t.Fatalf("reserved %d, want 1", v)
 	}
 }
