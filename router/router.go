@@ -4,10 +4,8 @@
 //
 //	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
 //	r, err := router.New(cfg, pool, logger)
-//	shipping, err := inbox.New(inbox.Config{Store: store, ConsumerName: "shipping",
-//		BrokerSideFields: r.Broker.BrokerSideFields}, logger)
-//	analytics, err := inbox.New(inbox.Config{Store: store, ConsumerName: "analytics",
-//		BrokerSideFields: r.Broker.BrokerSideFields}, logger)
+//	shipping, err := r.NewInbox(inbox.Config{Store: store, ConsumerName: "shipping"}, logger)
+//	analytics, err := r.NewInbox(inbox.Config{Store: store, ConsumerName: "analytics"}, logger)
 //	_, err = r.AddConsumer(shipping, "orders", ship)    // each consumer name gets every message
 //	_, err = r.AddConsumer(analytics, "orders", count)
 //	err = r.Run(ctx)

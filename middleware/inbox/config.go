@@ -118,6 +118,9 @@ type Config struct {
 	// counted only after a failure, which is cheaper. Default: nil, every delivery
 	// RedeliveryUnknown.
 	Redelivery RedeliveryFunc
+	// InvalidKeyBrake nacks, instead of dead-lettering, invalid keys while most recent
+	// deliveries had one (ErrInvalidKeyFlood): on by default; see InvalidKeyBrake.
+	InvalidKeyBrake InvalidKeyBrake
 	// OnKeyCollision decides what a key collision does. Default: CollisionDeadLetter.
 	OnKeyCollision CollisionPolicy
 
@@ -170,6 +173,7 @@ func (c *Config) setDefaults() {
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
+	c.InvalidKeyBrake.setDefaults()
 }
 
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
@@ -200,6 +204,11 @@ func (c Config) Validate() error {
 	}
 	if c.MaxAttempts < 1 {
 		return fmt.Errorf("%w: MaxAttempts must be at least 1", ErrInvalidConfig)
+	}
+	if !c.InvalidKeyBrake.Disabled {
+		if err := c.InvalidKeyBrake.validate(); err != nil {
+			return err
+		}
 	}
 	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
 		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)

@@ -6,9 +6,12 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
@@ -234,5 +237,74 @@ func TestReplayDeadLetterOnMemStore(t *testing.T) {
 	}
 	if v := store.Value("reserved"); v != 1 {
 		t.Fatalf("reserved %d, want 1", v)
+	}
+}
+
+// TestInvalidKeyFloodIsBraked: MetadataKey("orderId") where producers write order_id: every
+// key is empty. After the first few (MinInvalid - 1), the inbox nacks them with
+// ErrInvalidKeyFlood instead of dead-lettering the stream; once the field is right again, a
+// single bad message among good ones is dead-lettered as before.
+func TestInvalidKeyFloodIsBraked(t *testing.T) {
+	store := storetest.NewMemStore()
+	dl := &memPublisher{}
+	mistyped, err := inbox.MetadataKey("orderId")
+	if err != nil {
+		t.Fatal(err)
+	}
+	brake := inbox.InvalidKeyBrake{Window: 20, MinInvalid: 5, Pause: time.Millisecond}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "orders", KeyExtractor: mistyped,
+		DeadLetterPublisher: dl, DeadLetterTopic: "dead", InvalidKeyBrake: brake}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	order := func(i int) *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte("order"))
+		m.Metadata.Set("order_id", fmt.Sprintf("order-%d", i))
+		return m
+	}
+	var flood int
+	for i := range 26 {
+		_, err := h(order(i))
+		switch {
+		case errors.Is(err, inbox.ErrInvalidKeyFlood):
+			if inbox.IsPermanent(err) {
+				t.Fatal("a braked delivery must not be permanent")
+			}
+			flood++
+		case err != nil:
+			t.Fatalf("message %d: %v", i, err)
+		}
+	}
+	if len(dl.msgs) != brake.MinInvalid-1 || flood != 26-(brake.MinInvalid-1) {
+		t.Fatalf("dead letters %d, braked %d; want %d and %d", len(dl.msgs), flood, brake.MinInvalid-1, 26-(brake.MinInvalid-1))
+	}
+	if s := ib.Stats(); s.InvalidKeyBrakes != uint64(flood) || s.DeadLettered != uint64(len(dl.msgs)) {
+		t.Fatalf("stats %+v", s)
+	}
+
+	// Fixed: the right field. 40 good messages push the bad ones out of the window; then one
+	// bad message is dead-lettered, not braked.
+	fixedKey, _ := inbox.MetadataKey("order_id")
+	ib, err = inbox.New(inbox.Config{Store: store, ConsumerName: "orders", KeyExtractor: fixedKey,
+		DeadLetterPublisher: dl, DeadLetterTopic: "dead", InvalidKeyBrake: brake}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h = ib.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	for i := range 10 {
+		if _, err := h(order(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := len(dl.msgs)
+	if _, err := h(message.NewMessage(watermill.NewUUID(), []byte("no key"))); err != nil {
+		t.Fatalf("a single bad message among good ones: %v, want dead-lettered and acked", err)
+	}
+	if len(dl.msgs) != before+1 {
+		t.Fatal("the single bad message was not dead-lettered")
+	}
+	if s := ib.Stats(); s.Processed != 10 || s.InvalidKeyBrakes != 0 {
+		t.Fatalf("stats %+v", s)
 	}
 }

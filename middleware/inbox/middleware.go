@@ -42,6 +42,9 @@ type Stats struct {
 	// Collisions counts key collisions (same key, different payload), whatever the policy; a
 	// dead-lettered one is also counted in DeadLettered, a rejected one in Failed.
 	Collisions uint64
+	// InvalidKeyBrakes counts deliveries nacked by the InvalidKeyBrake (also in Failed and
+	// InvalidKeys).
+	InvalidKeyBrakes uint64
 }
 
 // Inbox is the transactional inbox middleware for one consumer. It is safe for concurrent use
@@ -50,6 +53,9 @@ type Inbox struct {
 	cfg      Config
 	attempts AttemptStore // set when a dead-letter topic is configured
 	logger   watermill.LoggerAdapter
+	keys     keyWindow // recent key validity, for the InvalidKeyBrake
+
+	invalidKeyBrakes atomic.Uint64
 
 	processed, duplicates, failed, invalidKeys, txRetries atomic.Uint64
 	deadLettered, deadLetteredSkips, collisions           atomic.Uint64
@@ -85,6 +91,7 @@ func (i *Inbox) Stats() Stats {
 		DeadLettered:      i.deadLettered.Load(),
 		DeadLetteredSkips: i.deadLetteredSkips.Load(),
 		Collisions:        i.collisions.Load(),
+		InvalidKeyBrakes:  i.invalidKeyBrakes.Load(),
 	}
 }
 
@@ -149,6 +156,7 @@ type delivery struct {
 	ctx        context.Context  // msg.Context() at entry
 	params     ClaimParams
 	keyErr     error // the key is invalid (params.Key is empty)
+	braked     bool  // invalid, during an invalid-key flood (InvalidKeyBrake)
 	countFirst bool  // count durably before the first claim (a possible redelivery)
 	counted    bool  // this delivery's count is in the store
 	attempts   int   // the attempt count after the last recorded change, when counted
@@ -172,6 +180,16 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 		d.keyErr = Permanent(fmt.Errorf("inbox: extracting key from %s: %w", source, err))
 	} else if err := ValidateKey(source, key); err != nil {
 		d.keyErr = err
+	}
+	if !i.cfg.InvalidKeyBrake.Disabled {
+		brake, warn := i.keys.observe(i.cfg.InvalidKeyBrake, d.keyErr != nil)
+		if brake {
+			d.braked = true
+			if warn {
+				i.logger.Error("Invalid-key flood: nacking instead of dead-lettering until the key configuration is fixed", ErrInvalidKeyFlood,
+					watermill.LogFields{"source": source, "window": i.cfg.InvalidKeyBrake.Window})
+			}
+		}
 	}
 	if d.keyErr != nil {
 		i.invalidKeys.Add(1)
@@ -227,6 +245,14 @@ type failure struct {
 
 // deliver runs the delivery's transactions until one settles it or a failure is final.
 func (i *Inbox) deliver(d *delivery, h message.HandlerFunc) *failure {
+	if d.braked {
+		i.invalidKeyBrakes.Add(1)
+		select {
+		case <-time.After(i.cfg.InvalidKeyBrake.Pause):
+		case <-d.ctx.Done():
+		}
+		return &failure{kind: failInfrastructure, err: fmt.Errorf("%w (%v)", ErrInvalidKeyFlood, d.keyErr)}
+	}
 	if d.keyErr != nil {
 		return &failure{kind: failMessage, err: d.keyErr}
 	}

@@ -70,7 +70,7 @@ func ValidateIdentifier(what, name string, maxBytes int) error {
 }
 
 // Config names the inbox table and holds the PostgreSQL settings of the inbox transaction.
-// Names are validated against identifierRE and always quoted.
+// Names are validated by ValidateIdentifier and always quoted.
 type Config struct {
 	// Schema holding the table. Default: DefaultSchema. Migrate creates it when missing.
 	Schema string
