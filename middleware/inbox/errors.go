@@ -17,7 +17,8 @@ var ErrInvalidKey = errors.New("inbox: invalid message key")
 var ErrProducedMessages = errors.New("inbox: handler returned messages to publish, but no Outbox is configured; the router would publish them after the inbox commit, where a crash loses them")
 
 // ErrNoPublishTopic is returned when a handler returns messages but the router gave it no
-// publish topic (it was added with AddConsumerHandler, not AddHandler). It is permanent.
+// publish topic (it was added with AddConsumerHandler, not AddHandler), and its context names
+// none (ContextWithPublishTopic). It is permanent.
 var ErrNoPublishTopic = errors.New("inbox: handler returned messages but has no publish topic (add it with router.AddHandler)")
 
 // ErrBrokerSideKey is returned by MetadataKey when the named metadata field is a known

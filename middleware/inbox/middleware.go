@@ -560,6 +560,9 @@ func (i *Inbox) storeProduced(txCtx context.Context, tx Tx, produced []*message.
 	}
 	topic := message.PublishTopicFromCtx(txCtx)
 	if topic == "" {
+		topic, _ = txCtx.Value(publishTopicKey{}).(string)
+	}
+	if topic == "" {
 		return ErrNoPublishTopic
 	}
 	if cid := wmmiddleware.MessageCorrelationID(received); cid != "" {
@@ -573,6 +576,16 @@ func (i *Inbox) storeProduced(txCtx context.Context, tx Tx, produced []*message.
 		return fmt.Errorf("inbox: storing %d produced messages in the outbox: %w", len(produced), err)
 	}
 	return nil
+}
+
+type publishTopicKey struct{}
+
+// ContextWithPublishTopic returns ctx naming topic as the handler's publish topic, for a
+// handler that returns messages and runs without Watermill's router (which sets it for
+// handlers added with AddHandler): a test, or a hand-written consumer loop. The inbox stores
+// the returned messages in the outbox for that topic.
+func ContextWithPublishTopic(ctx context.Context, topic string) context.Context {
+	return context.WithValue(ctx, publishTopicKey{}, topic)
 }
 
 func b2i(b bool) int {
