@@ -129,24 +129,37 @@ func (i *Inbox) ConsumerName() string { return i.cfg.ConsumerName }
 // package router wraps the handler with it directly; with a plain Watermill router add it
 // to the handler last (see docs/design.md, "Middleware order").
 func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) (_ []*message.Message, err error) {
+	return func(msg *message.Message) ([]*message.Message, error) {
 		d := i.newDelivery(msg)
-		defer func() {
-			p := recover()
-			if p == nil {
-				return
-			}
-			// The try that panicked rolled back and recorded the attempt. A panic that
-			// dead-letters the message is acked; any other goes on panicking, so the
-			// router's Recoverer (or the router itself) sees it.
-			err = i.settle(d, &failure{kind: failMessage, err: fmt.Errorf("inbox: handler panicked: %v", p), attempts: d.attempts})
-			if d.res.Outcome != OutcomeDeadLettered {
-				panic(p)
-			}
-			i.logger.Error("Handler panicked; message dead-lettered", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
-		}()
-		return nil, i.settle(d, i.deliver(d, h))
+		f, panicked, p := i.deliverRecovering(d, h)
+		if !panicked {
+			return nil, i.settle(d, f)
+		}
+		// The try that panicked rolled back and recorded the attempt. A panic that
+		// dead-letters the message is acked; any other goes on panicking, so the router's
+		// Recoverer (or the router itself) sees it.
+		err := i.settle(d, &failure{kind: failMessage, err: fmt.Errorf("inbox: handler panicked: %v", p), attempts: d.attempts})
+		if d.res.Outcome != OutcomeDeadLettered {
+			panic(p)
+		}
+		i.logger.Error("Handler panicked; message dead-lettered", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
+		return nil, err
 	}
+}
+
+// deliverRecovering is deliver with the handler's panic caught: only the delivery's own code
+// runs under the recover, never settle (so a panicking Observer cannot settle a delivery
+// twice).
+func (i *Inbox) deliverRecovering(d *delivery, h message.HandlerFunc) (f *failure, panicked bool, p any) {
+	defer func() {
+		if panicked {
+			p = recover()
+		}
+	}()
+	panicked = true
+	f = i.deliver(d, h)
+	panicked = false
+	return f, false, nil
 }
 
 // delivery is one call of the middleware: the message as received, its key, and what
@@ -373,6 +386,11 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		d.res.Outcome = OutcomeProcessed
 		return nil
 	case i.cfg.Store.Retryable(err):
+		if d.counted {
+			// As in failTx: no count is kept through the back-off.
+			i.adjust(d, -1, "")
+			d.counted = false
+		}
 		return &failure{kind: failRetryable, err: fmt.Errorf("inbox: commit: %w", err)}
 	case i.configurationFault(err):
 		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: commit: %w", err)}
@@ -398,7 +416,9 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 	switch {
 	case i.cfg.Store.Retryable(herr):
 		kind = failRetryable
-	case i.configurationFault(herr):
+	case i.configurationFault(herr), errors.Is(herr, ErrProducedMessages), errors.Is(herr, ErrNoPublishTopic):
+		// The deployment's fault (a missing privilege or table, no Outbox, no publish
+		// topic): no message can succeed until it is fixed.
 		kind = failInfrastructure
 	case errors.Is(d.ctx.Err(), context.Canceled):
 		// The consumer is shutting down (the router cancels message contexts on Close):
@@ -406,9 +426,18 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 		kind = failAbandoned
 	}
 	f := &failure{kind: kind, err: herr}
+	if kind == failRetryable && counted != nil && d.counted {
+		// A retryable failure takes the delivery's count back: kept through the back-off,
+		// when this delivery holds no lock on the key, it would be read as a failure by a
+		// copy that runs meanwhile. The next try counts first again.
+		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -1})
+		if err != nil {
+			i.logger.Error("Could not take back the count of a conflicted try", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		}
+		d.counted, d.attempts = false, n
+		return f
+	}
 	if counted == nil || kind == failRetryable || kind == failInfrastructure {
-		// A retryable failure keeps the delivery's count (restored by the rollback) for
-		// the next try; deliver takes it back if no try succeeds.
 		_ = tx.Rollback(d.ctx)
 		return f
 	}
@@ -419,6 +448,7 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 	n, err := counted.Fail(d.ctx, p)
 	if err != nil {
 		i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		n = d.attempts + p.AttemptsDelta // what the record would say
 	}
 	d.counted, d.attempts, f.attempts = false, n, n
 	return f
@@ -473,12 +503,22 @@ func (i *Inbox) settle(d *delivery, f *failure) error {
 		i.failed.Add(1)
 	}
 	if i.cfg.Observer != nil {
-		i.cfg.Observer.ObserveDelivery(d.ctx, d.res)
+		i.observe(d)
 	}
 	if d.res.Outcome.Acked() {
 		return nil
 	}
 	return d.res.Err
+}
+
+// observe calls the Observer; a panic in it is logged, never taken for the handler's.
+func (i *Inbox) observe(d *delivery) {
+	defer func() {
+		if p := recover(); p != nil {
+			i.logger.Error("Observer panicked", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		}
+	}()
+	i.cfg.Observer.ObserveDelivery(d.ctx, d.res)
 }
 
 // settleFailure decides what a failure becomes: a dead letter, or an error for the router.

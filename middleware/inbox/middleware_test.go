@@ -359,8 +359,9 @@ func TestTwoConsumersEachProcessOnce(t *testing.T) {
 }
 
 func TestInvalidKeysAreRefused(t *testing.T) {
+	// Every delivery here has an invalid key on purpose: the flood brake is off.
 	e := newEnv(t, 2)
-	ib := e.inbox("billing")
+	ib := e.inbox("billing", func(c *inbox.Config) { c.InvalidKeyBrake.Disabled = true })
 	h := ib.Middleware(e.credit)
 	cases := map[string]string{
 		"empty":        "",

@@ -25,6 +25,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -95,7 +96,7 @@ type Store struct {
 	versions string // quoted "schema".watermill_inbox_migrations
 	attempts string // quoted "schema"."<table>_attempts"
 
-	claimSQL, recordSQL, countSQL, uncountSQL, hashSQL, clearSQL string
+	claimSQL, recordSQL, countSQL, hashSQL, clearSQL, clearProcessedSQL string
 }
 
 var (
@@ -156,10 +157,12 @@ func newNames(cfg Config) (*Store, error) {
 			" SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM " + table + " WHERE message_id = $1 AND consumer_name = $2)" +
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
 			" WHERE a.dead_lettered_at IS NULL",
-		uncountSQL: "UPDATE " + attempts + " SET attempts = attempts - 1" +
-			" WHERE message_id = $1 AND consumer_name = $2 AND attempts > 0 AND dead_lettered_at IS NULL",
 		hashSQL:  "SELECT payload_hash FROM " + table + " WHERE message_id = $1 AND consumer_name = $2",
 		clearSQL: "DELETE FROM " + attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL",
+		// After COMMIT: clears the record only if the claim really committed (COMMIT may have
+		// answered ROLLBACK, which ends no pipeline).
+		clearProcessedSQL: "DELETE FROM " + attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL" +
+			" AND EXISTS (SELECT 1 FROM " + table + " WHERE message_id = $1 AND consumer_name = $2)",
 	}, nil
 }
 
@@ -191,11 +194,17 @@ func isoLevel(l sql.IsolationLevel) (pgx.TxIsoLevel, error) {
 // queueTimeouts queues the local lock_timeout and statement_timeout of the current transaction.
 func (s *Store) queueTimeouts(b *pgx.Batch) {
 	if s.cfg.LockTimeout > 0 {
-		b.Queue("select set_config('lock_timeout', $1, true)", strconv.FormatInt(s.cfg.LockTimeout.Milliseconds(), 10))
+		b.Queue("select set_config('lock_timeout', $1, true)", millis(s.cfg.LockTimeout))
 	}
 	if s.cfg.StatementTimeout > 0 {
-		b.Queue("select set_config('statement_timeout', $1, true)", strconv.FormatInt(s.cfg.StatementTimeout.Milliseconds(), 10))
+		b.Queue("select set_config('statement_timeout', $1, true)", millis(s.cfg.StatementTimeout))
 	}
+}
+
+// millis renders d for lock_timeout and statement_timeout, in whole milliseconds rounded up
+// (PostgreSQL reads 0 as "no limit", so a positive sub-millisecond duration becomes 1).
+func millis(d time.Duration) string {
+	return strconv.FormatInt(int64((d+time.Millisecond-1)/time.Millisecond), 10)
 }
 
 // Claim implements inbox.Store. BEGIN, the local timeouts and the claim travel in one
@@ -277,6 +286,12 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
+	if counted && !p.CountFirst {
+		// A counted claim that did not count first still takes the key's lock, for its
+		// transaction only: while its handler runs no copy can count, so its Fail reports
+		// its own failure, never a waiting copy's count.
+		b.Queue("select pg_advisory_xact_lock(hashtextextended($1, 0))", s.lockKey(k))
+	}
 	args := []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
 	b.Queue(s.claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
 		res.Claimed = ct.RowsAffected() == 1
@@ -296,19 +311,20 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 			return err
 		})
 	}
-	br := conn.Conn().SendBatch(ctx, b)
-	t.tx = br.Tx()
-	if err := br.Close(); err != nil {
+	err = s.sendClaim(ctx, conn, b, t)
+	if err != nil {
 		_ = t.end(ctx, func(ctx context.Context) error {
-			_ = t.tx.Rollback(ctx)
+			_, _ = t.conn.Exec(ctx, "rollback")
 			if res.Counted {
 				// The claim never happened, so this delivery did not reach the handler:
-				// take its count back (still under the key's lock, so no count is lost).
-				b := &pgx.Batch{}
-				b.Queue("DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
-					" AND attempts <= 1 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
-				b.Queue(s.uncountSQL, k.MessageID, k.ConsumerName)
-				_ = conn.Conn().SendBatch(ctx, b).Close()
+				// take its count back, on this connection (still under the key's lock), or
+				// on another when this one is closed.
+				back := inbox.AttemptParams{Key: k, AttemptsDelta: -1}
+				if t.conn.Conn().IsClosed() {
+					_, _ = s.adjust(ctx, s.pool, back)
+				} else if _, err := s.adjust(ctx, conn, back); err != nil {
+					_, _ = s.adjust(ctx, s.pool, back)
+				}
 			}
 			return nil
 		})
@@ -352,8 +368,53 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 	return nil, res, nil
 }
 
-// lockKey is the text hashed into the key's advisory lock: table, consumer name and message
-// ID, separated by a unit separator that valid keys do not contain in that position's role.
+// sendClaim runs the claim pipeline b on conn. It is sent on a context that ctx's end does not
+// break: pgx would close the connection, and with it the knowledge of which statements ran (a
+// count that committed could not be taken back). When ctx ends first (the claim timeout, the
+// router shutting down), sendClaim asks the server to cancel the statement that waits
+// (PostgreSQL's cancel request; SQLSTATE 57014), so the pipeline ends on a healthy connection
+// with its callbacks run, and reports ctx's error. Such a connection is closed after the
+// delivery ends rather than reused, since a cancel request can arrive late. If the server does
+// not answer within the finish timeout after that, the connection is closed.
+func (s *Store) sendClaim(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch, t *claimTx) error {
+	var fired atomic.Bool
+	t.sent = make(chan struct{})
+	sent, done := t.sent, make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(done)
+		fired.Store(true)
+		cctx, cancel := context.WithTimeout(context.Background(), t.finish)
+		defer cancel()
+		if err := conn.Conn().PgConn().CancelRequest(cctx); err != nil {
+			_ = conn.Conn().PgConn().Close(cctx)
+			return
+		}
+		select {
+		case <-time.After(t.finish):
+			_ = conn.Conn().PgConn().Close(cctx) // the server did not answer: give up on it
+		case <-sent:
+		}
+	})
+	br := conn.Conn().SendBatch(context.WithoutCancel(ctx), b)
+	t.tx = br.Tx()
+	err := br.Close()
+	close(sent)
+	if !stop() {
+		<-done // it started: let it finish before anything else runs on conn
+	}
+	if fired.Load() {
+		t.poisoned = true
+		if err == nil {
+			err = ctx.Err()
+		}
+		return fmt.Errorf("%w (%w)", ctx.Err(), err)
+	}
+	return err
+}
+
+// lockKey is the text hashed (hashtextextended) into the key's advisory lock: table, consumer
+// name and message ID, separated by a unit separator. Two keys that hash alike only share a
+// lock, which serialises their counted deliveries and changes nothing else.
 func (s *Store) lockKey(k inbox.Key) string {
 	return s.table + "\x1f" + k.ConsumerName + "\x1f" + k.MessageID
 }
@@ -533,6 +594,10 @@ type claimTx struct {
 	counted bool                // a counted claim (ClaimCounted)
 	locked  bool                // holds the key's advisory lock
 	rec     inbox.AttemptRecord // the attempt record read at the claim
+	// sent is closed once the claim pipeline returned; poisoned marks a connection a cancel
+	// request was sent on, closed rather than reused.
+	sent     chan struct{}
+	poisoned bool
 	// dirty: the key may have an attempt record for the commit to clear (one was read, this
 	// delivery counted, or the snapshot could have missed one).
 	dirty bool
@@ -558,6 +623,9 @@ func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error 
 		if _, uerr := t.conn.Exec(dctx, unlockSQL); uerr != nil {
 			_ = t.conn.Conn().Close(dctx)
 		}
+	}
+	if t.poisoned {
+		_ = t.conn.Conn().Close(dctx)
 	}
 	t.conn.Release()
 	return err
@@ -590,41 +658,30 @@ func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn
 	return results, err
 }
 
-// Commit commits, in one round trip with whatever must accompany it. For a counted claim whose
-// key may have an attempt record, the record is deleted: under READ COMMITTED by a statement
-// just before COMMIT, in the transaction (it sees records committed after the claim, and
-// commits or rolls back with the claim); under REPEATABLE READ and SERIALIZABLE, whose snapshot
-// could miss such a record, by a statement just after COMMIT (a crash between the two leaves
-// a stale record of a processed key, which the key's next duplicate removes). A held advisory
+// Commit commits, in one round trip with whatever must accompany it: for a counted claim whose
+// key may have an attempt record, a statement after COMMIT deletes the record if the claim is
+// now processed (so it sees records committed after the claim's snapshot, at every isolation
+// level, and deletes nothing when COMMIT answered ROLLBACK); a crash between the two leaves a
+// stale record of a processed key, which the key's next duplicate removes. A held advisory
 // lock is released in the same pipeline.
 //
 // An error wraps inbox.ErrCommitRolledBack when the rollback is certain: the server answered
 // ROLLBACK (a statement in the transaction had failed) or COMMIT raised an error (a
 // *pgconn.PgError, such as a deferred constraint's SQLSTATE 23505, or 40001 under
-// SERIALIZABLE, which Retryable also reports). Any other error leaves the outcome unknown, or
-// reports that the clean-up before COMMIT failed (nothing committed; not the message's fault).
+// SERIALIZABLE, which Retryable also reports). Any other error leaves the outcome unknown.
 func (t *claimTx) Commit(ctx context.Context) error {
 	return t.end(ctx, func(ctx context.Context) error {
-		sqls, commitAt := []string{"commit"}, 0
+		sqls := []string{"commit"}
 		if t.counted && t.dirty {
-			if t.iso == pgx.ReadCommitted {
-				sqls, commitAt = []string{t.s.clearSQL, "commit"}, 1
-			} else {
-				sqls = []string{"commit", t.s.clearSQL}
-			}
+			sqls = append(sqls, t.s.clearProcessedSQL)
 		}
 		results, err := t.finishPipeline(ctx, sqls...)
 		switch {
-		case commitAt == 1 && len(results) > 0 && results[0].Err != nil:
-			// The clean-up failed (a lock wait, say): the transaction is aborted, not
-			// committed; roll it back. Not a certain rollback of the handler's doing.
-			_, _ = t.conn.Exec(ctx, "rollback")
-			return fmt.Errorf("clear the attempt record before COMMIT: %w", results[0].Err)
-		case len(results) > commitAt && results[commitAt].Err != nil:
-			err = results[commitAt].Err
-		case len(results) > commitAt && results[commitAt].CommandTag.String() != "COMMIT":
+		case len(results) > 0 && results[0].Err != nil:
+			err = results[0].Err
+		case len(results) > 0 && results[0].CommandTag.String() != "COMMIT":
 			err = pgx.ErrTxCommitRollback
-		case len(results) > commitAt:
+		case len(results) > 0:
 			return nil // committed; a failed clean-up after COMMIT only leaves a stale record
 		}
 		var pgErr *pgconn.PgError
@@ -660,6 +717,9 @@ func (t *claimTx) Fail(ctx context.Context, p inbox.FailParams) (int, error) {
 	if t.ended {
 		return 0, nil
 	}
+	if p.AttemptsDelta == 0 && p.Error == "" {
+		return t.rec.Attempts, t.Rollback(ctx) // nothing to record
+	}
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
 	defer cancel()
 	params := inbox.AttemptParams{Key: t.key, AttemptsDelta: p.AttemptsDelta, Error: p.Error}
@@ -677,6 +737,11 @@ func (t *claimTx) Fail(ctx context.Context, p inbox.FailParams) (int, error) {
 	n, aerr := t.s.adjust(dctx, conn, params)
 	conn.Release()
 	rerr := t.Rollback(ctx)
+	var pgErr *pgconn.PgError
+	if errors.As(aerr, &pgErr) {
+		// The server refused it, so nothing was applied: try once more, after the rollback.
+		n, aerr = t.s.adjust(dctx, t.s.pool, params)
+	}
 	if aerr != nil {
 		return 0, fmt.Errorf("record the failure: %w", errors.Join(aerr, rerr))
 	}

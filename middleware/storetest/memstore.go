@@ -144,7 +144,9 @@ func (s *MemStore) claim(ctx context.Context, p inbox.CountedClaimParams, counte
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	tx := &MemTx{s: s, key: k, hash: p.PayloadHash, writes: map[string]int64{}}
-	if counted && p.CountFirst {
+	if counted {
+		// Every counted claim takes the key's count lock (pgstore: a session lock when it
+		// counts first, a transaction lock otherwise), so no copy counts while it runs.
 		for s.counting[k] {
 			if err := s.wait(ctx); err != nil {
 				return nil, res, err
@@ -152,6 +154,8 @@ func (s *MemStore) claim(ctx context.Context, p inbox.CountedClaimParams, counte
 		}
 		s.counting[k] = true
 		tx.locked = true
+	}
+	if counted && p.CountFirst {
 		if _, done := s.rows[k]; !done && !s.records[k].DeadLettered {
 			r := s.records[k]
 			r.Attempts++

@@ -64,6 +64,7 @@ func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 		{"FailCanTakeTheCountBack", testFailCanTakeTheCountBack},
 		{"CountedCopiesDoNotInflate", testCountedCopiesDoNotInflate},
 		{"CountedCopiesAfterAFailure", testCountedCopiesAfterAFailure},
+		{"CountedCopyBehindAnUncountedClaim", testCountedCopyBehindAnUncountedClaim},
 		{"DeadLetteredUntilReplay", testDeadLetteredUntilReplay},
 		{"AdjustAttempts", testAdjustAttempts},
 	}
@@ -587,6 +588,36 @@ func testCountedCopiesAfterAFailure(t *testing.T, s inbox.AttemptStore) {
 		}
 	}
 	if n := attemptsOf(t, s, "m-copies-fail"); n != 0 {
+		t.Fatalf("attempt record left after processing: %d", n)
+	}
+}
+
+// testCountedCopyBehindAnUncountedClaim: a delivery that does not count first (a first
+// delivery, by the broker's signal) holds the claim; a copy that counts first arrives. The
+// copy must not be counted while the first runs (its count would be taken for a failure by
+// the first delivery's Fail, and dead-letter the message early): the first's Fail reports its
+// own failure only, and the copy then claims, counted, reading both.
+func testCountedCopyBehindAnUncountedClaim(t *testing.T, s inbox.AttemptStore) {
+	first, res := counted(t, s, params("m-behind-first"), false)
+	if !res.Claimed || res.Counted {
+		t.Fatalf("%+v", res)
+	}
+	copyCh := countedInBackground(t, s, params("m-behind-first"), true)
+	expectBlocked(t, copyCh)
+	if n := attemptsOf(t, s, "m-behind-first"); n != 0 {
+		t.Fatalf("a copy waiting behind an uncounted delivery was counted (%d) while that delivery runs", n)
+	}
+	if n, err := first.Fail(ctxT(t), inbox.FailParams{AttemptsDelta: 1, Error: "boom"}); err != nil || n != 1 {
+		t.Fatalf("the first delivery's Fail = %d, %v; want 1: its own failure, not a waiting copy's count", n, err)
+	}
+	r := expectResult(t, copyCh)
+	if r.err != nil || !r.res.Claimed || r.rec.Attempts != 2 || r.rec.LastError != "boom" {
+		t.Fatalf("the copy: claimed=%v rec=%+v err=%v; want claimed, attempts 2 (the failure and itself)", r.res.Claimed, r.rec, r.err)
+	}
+	if err := r.tx.Commit(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if n := attemptsOf(t, s, "m-behind-first"); n != 0 {
 		t.Fatalf("attempt record left after processing: %d", n)
 	}
 }
