@@ -8,7 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// Defaults applied by Config.setDefaults.
+// Defaults that New applies to zero Config fields.
 const (
 	// DefaultMessageTypeKey is the metadata field read for message_type: the key Watermill's
 	// CQRS marshalers write the event or command name to.

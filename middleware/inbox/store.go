@@ -108,7 +108,8 @@ type AttemptRecord struct {
 	LastError string
 	// DeadLettered is true once the message was published to the dead-letter topic (and not
 	// replayed since). DeadLetterReason says why.
-	DeadLettered     bool
+	DeadLettered bool
+	// DeadLetterReason is the reason stored with the dead-lettered state (truncated).
 	DeadLetterReason string
 }
 
@@ -157,6 +158,7 @@ type CountedTx interface {
 
 // AttemptParams name a key for the attempt-record methods of AttemptStore.
 type AttemptParams struct {
+	// Key is the message and consumer whose record is read or changed.
 	Key Key
 	// AttemptsDelta is added to the count by AdjustAttempts (see FailParams).
 	AttemptsDelta int
@@ -170,11 +172,14 @@ type AttemptParams struct {
 // dead-lettered. The inbox refuses a dead-letter topic on a store without it.
 type AttemptStore interface {
 	Store
-	// ClaimCounted is Claim with the key's attempt record: in the claim's transaction it
-	// reads the record and, when the claim is new, deletes it, so a commit clears it and a
-	// rollback restores it. A key whose record is dead-lettered is not claimed: the store
-	// ends its transaction and returns a nil Tx with Record.DeadLettered set. A duplicate
-	// leaves no record behind and no transaction open.
+	// ClaimCounted is Claim with the key's attempt record: with the claim it reads the
+	// record (as committed after any wait for the claim); a successful Commit deletes it, a
+	// Rollback leaves it. Every counted claim of a key holds the key's lock while it counts
+	// and while its transaction is open, so no copy counts while it runs. A key whose record
+	// is dead-lettered is not claimed: the store ends its transaction and returns a nil Tx
+	// with Record.DeadLettered set. A duplicate leaves no record behind and no transaction
+	// open. A claim that fails (a lock timeout, ctx ending while it waits) takes back a count
+	// it made.
 	ClaimCounted(ctx context.Context, p CountedClaimParams) (CountedTx, CountedClaimResult, error)
 	// AdjustAttempts adds p.AttemptsDelta to the key's attempt record outside any claim,
 	// and stores p.Error as its last error when non-empty; a positive delta creates the
