@@ -3,8 +3,11 @@
 //	watermill-inbox migrate                  # apply pending migrations
 //	watermill-inbox migrate --print          # print the SQL for your own migration tool
 //	watermill-inbox migrate --schema billing --table inbox
+//	watermill-inbox migrate --outbox         # also the outbox tables (topic inbox_outbox)
+//	watermill-inbox --version
 //
-// The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL).
+// The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL). Exit
+// status: 0 on success, 1 on any error (printed to standard error; a URL's password never is).
 package main
 
 import (
@@ -12,13 +15,23 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
+
+// version is the module version the binary was built from ("(devel)" for a local build).
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "(devel)"
+}
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -53,6 +66,7 @@ func rootCmd() *cobra.Command {
 		Short:         "Operate the watermill-inbox PostgreSQL table",
 		SilenceUsage:  true,
 		SilenceErrors: false,
+		Version:       version(),
 	}
 	root.AddCommand(migrateCmd())
 	return root
@@ -60,7 +74,8 @@ func rootCmd() *cobra.Command {
 
 func migrateCmd() *cobra.Command {
 	var f storeFlags
-	var print bool
+	var print, withOutbox bool
+	var outboxTopic string
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Apply the inbox schema migrations, or print them with --print",
@@ -69,13 +84,29 @@ func migrateCmd() *cobra.Command {
 			"without connecting, for teams that run their own migration tool.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			obCfg := outbox.Config{Schema: f.schema, Topic: outboxTopic}
+			if obCfg.Topic == "" {
+				obCfg.Topic = outbox.DefaultTopic
+			}
 			if print {
 				script, err := pgstore.MigrationSQL(pgstore.Config{Schema: f.schema, Table: f.table})
 				if err != nil {
 					return err
 				}
-				_, err = fmt.Fprint(cmd.OutOrStdout(), script)
+				if _, err = fmt.Fprint(cmd.OutOrStdout(), script); err != nil || !withOutbox {
+					return err
+				}
+				obScript, err := outbox.SchemaSQL(obCfg)
+				if err != nil {
+					return err
+				}
+				_, err = fmt.Fprintf(cmd.OutOrStdout(), "\n-- the outbox (topic %s)\n%s", obCfg.MessagesTable(), obScript)
 				return err
+			}
+			if withOutbox {
+				if err := obCfg.Validate(); err != nil {
+					return err // invalid names, reported before connecting
+				}
 			}
 			if _, err := pgstore.MigrationSQL(pgstore.Config{Schema: f.schema, Table: f.table}); err != nil {
 				return err // invalid names, reported before connecting
@@ -102,10 +133,18 @@ func migrateCmd() *cobra.Command {
 			} else {
 				fmt.Fprintf(cmd.OutOrStdout(), "%s: applied migrations %v\n", store.Table(), applied)
 			}
+			if withOutbox {
+				if err := outbox.InitializeSchema(cmd.Context(), pool, obCfg); err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "outbox tables of topic %q are in place\n", obCfg.Topic)
+			}
 			return nil
 		},
 	}
 	f.register(cmd)
 	cmd.Flags().BoolVar(&print, "print", false, "print the SQL script instead of applying it")
+	cmd.Flags().BoolVar(&withOutbox, "outbox", false, "also create the outbox tables (package middleware/outbox) in the same schema")
+	cmd.Flags().StringVar(&outboxTopic, "outbox-topic", "", "the outbox topic (default "+outbox.DefaultTopic+")")
 	return cmd
 }

@@ -53,3 +53,29 @@ func TestMigrateRejectsUnsafeNamesBeforeConnecting(t *testing.T) {
 		t.Fatalf("unsafe table name: err %v\n%s", err, out)
 	}
 }
+
+// TestMigrateOutboxAndVersion: migrate --outbox creates the outbox tables beside the inbox
+// (and --print shows their SQL); --version prints a version; an invalid outbox topic is
+// refused before connecting.
+func TestMigrateOutboxAndVersion(t *testing.T) {
+	sch := testenv.NewSchema(t, 1)
+	out, err := run(t, "migrate", "--database-url", testenv.DatabaseURL(), "--schema", sch.Name, "--outbox")
+	if err != nil || !strings.Contains(out, "outbox tables") {
+		t.Fatalf("migrate --outbox: %v\n%s", err, out)
+	}
+	var n int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM watermill_inbox_outbox").Scan(&n); err != nil || n != 0 {
+		t.Fatalf("outbox table: rows %d, err %v", n, err)
+	}
+	out, err = run(t, "migrate", "--print", "--outbox", "--outbox-topic", "billing_outbox")
+	if err != nil || !strings.Contains(out, "watermill_billing_outbox") || !strings.Contains(out, "inbox_processed_messages") {
+		t.Fatalf("migrate --print --outbox: %v\n%s", err, out)
+	}
+	if _, err := run(t, "migrate", "--database-url", "postgres://nobody@127.0.0.1:1/none", "--outbox", "--outbox-topic", "bad-topic!"); err == nil {
+		t.Fatal("an invalid outbox topic was accepted")
+	}
+	out, err = run(t, "--version")
+	if err != nil || !strings.Contains(out, "version") {
+		t.Fatalf("--version: %v\n%s", err, out)
+	}
+}

@@ -54,7 +54,7 @@ const (
 	redeliverAfter = 3 * time.Second
 	// concurrency is the deliveries of one topic a consumer processes at once: AMQP consumers,
 	// NATS subscriptions, SQS messages in flight. Kafka has one per partition
-	// (kafkatest.DefaultPartitions, also 4); PostgreSQL and Redis one at a time.
+	// (kafkafake.DefaultPartitions, also 4); PostgreSQL and Redis one at a time.
 	concurrency = 4
 	// amqpQueueExpiry deletes a run's queue this long after its last consumer left, in case the
 	// run fails before deleting it (RabbitMQ's x-expires, in milliseconds).

@@ -28,12 +28,12 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
-	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
+	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkafake"
 	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
-	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqsfake"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
@@ -185,7 +185,7 @@ func (a *brokerAdmin) connect(schema string) error {
 			return errors.Join(errs...)
 		}
 	case kafka.Name:
-		addrs, stop, err := kafkatest.Start() // topics are created on first use, 4 partitions
+		addrs, stop, err := kafkafake.Start() // topics are created on first use, 4 partitions
 		if err != nil {
 			return err
 		}
@@ -194,7 +194,7 @@ func (a *brokerAdmin) connect(schema string) error {
 		a.pending = func(context.Context) (int64, error) { return kafkaLag(addrs, consumerName, t.payments) }
 		a.pendingMeaning = "records of topic " + t.payments + " after consumer group " + consumerName + "'s committed offsets"
 	case sqs.Name:
-		endpoint, stop, err := sqstest.Start()
+		endpoint, stop, err := sqsfake.Start()
 		if err != nil {
 			return err
 		}
@@ -202,12 +202,12 @@ func (a *brokerAdmin) connect(schema string) error {
 		a.cfg.URL, a.cfg.SQSQueryProtocol = endpoint, true
 		// goaws checks no signature: any static credentials do. The consumers get the same
 		// environment, where the AWS SDK's default resolution finds them.
-		for k, v := range map[string]string{"AWS_REGION": sqstest.Region, "AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_EC2_METADATA_DISABLED": "true"} {
+		for k, v := range map[string]string{"AWS_REGION": sqsfake.Region, "AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_EC2_METADATA_DISABLED": "true"} {
 			_ = os.Setenv(k, v)
 			a.env = append(a.env, k+"="+v)
 		}
 		a.env = append(a.env, "INBOX_SQS_QUERY_PROTOCOL=true")
-		client := sqstest.Client()
+		client := sqsfake.Client()
 		a.pending = func(ctx context.Context) (int64, error) { return sqsPending(ctx, client, t.payments) }
 		a.pendingMeaning = "messages in queue " + t.payments + ", visible or in flight"
 	case nats.Name:
@@ -354,7 +354,7 @@ func (a *brokerAdmin) Close() {
 
 // kafkaLag sums, over the partitions of topic, the records after group's committed offset.
 func kafkaLag(addrs []string, group, topic string) (int64, error) {
-	committed, err := kafkatest.TryCommittedOffsets(addrs, group, topic)
+	committed, err := kafkafake.TryCommittedOffsets(addrs, group, topic)
 	if err != nil {
 		return 0, err
 	}
