@@ -14,7 +14,7 @@ import (
 // delivered three times in a row and five times at once, then the assertion that it was
 // processed once. In a real test, t is the test's *testing.T.
 func Example() {
-	var t *testing.T // your test's t
+	var t *testing.T                 // your test's t
 	sch := inboxtest.NewSchema(t, 8) // a schema of its own, dropped when the test ends
 	store := sch.Store(t)            // migrated
 	sch.CreateAccounts(t, 1)
