@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -306,5 +307,39 @@ func TestInvalidKeyFloodIsBraked(t *testing.T) {
 	}
 	if s := ib.Stats(); s.Processed != 10 || s.InvalidKeyBrakes != 0 {
 		t.Fatalf("stats %+v", s)
+	}
+}
+
+// TestKeysCannotForgeLogLines: a message ID with a newline and a fake log record, through
+// every path that logs it (processed, duplicate, dead-lettered, invalid key) at the most
+// verbose level, adds no line to the log.
+func TestKeysCannotForgeLogLines(t *testing.T) {
+	var buf strings.Builder
+	logger := watermill.NewStdLoggerWithOut(&buf, true, true)
+	ib, err := inbox.New(inbox.Config{Store: storetest.NewMemStore(), ConsumerName: "billing",
+		DeadLetterPublisher: &memPublisher{}, DeadLetterTopic: "dead", MaxAttempts: 1}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail := false
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		if fail {
+			return nil, errors.New("boom")
+		}
+		return nil, nil
+	})
+	forged := "pay-1\nlevel=ERROR msg=\"forged entry\"\r\x1b[2K"
+	_, _ = h(message.NewMessage(forged, []byte("a")))
+	_, _ = h(message.NewMessage(forged, []byte("a"))) // duplicate
+	fail = true
+	_, _ = h(message.NewMessage(forged+"-2", []byte("b"))) // dead-lettered
+	_, _ = h(message.NewMessage("", []byte("c")))           // invalid key
+	for _, line := range strings.Split(buf.String(), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "level=ERROR msg=\"forged") || strings.Contains(line, "\x1b") || strings.Contains(line, "\r") {
+			t.Fatalf("a key forged or corrupted a log line: %q\n%s", line, buf.String())
+		}
+	}
+	if !strings.Contains(buf.String(), `pay-1\nlevel=ERROR`) {
+		t.Fatalf("the key was not logged escaped:\n%s", buf.String())
 	}
 }

@@ -8,8 +8,11 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -643,11 +646,15 @@ func validOrEmpty(s string) string {
 	return s
 }
 
-// safeUUID returns the message UUID for logs, or a placeholder when it is not printable key
-// material (invalid UTF-8, NUL, oversized).
+// safeUUID returns the message UUID for logs and error strings: a placeholder when it is not
+// key material (invalid UTF-8, NUL, oversized), quoted with Go escapes when it holds a control
+// character (a newline or an escape sequence could forge log lines), else as it is.
 func safeUUID(id string) string {
 	if ValidateKey("", id) != nil {
 		return fmt.Sprintf("<invalid, %d bytes>", len(id))
+	}
+	if strings.IndexFunc(id, unicode.IsControl) >= 0 {
+		return strconv.Quote(id)
 	}
 	return id
 }
