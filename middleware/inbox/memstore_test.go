@@ -333,7 +333,7 @@ func TestKeysCannotForgeLogLines(t *testing.T) {
 	_, _ = h(message.NewMessage(forged, []byte("a"))) // duplicate
 	fail = true
 	_, _ = h(message.NewMessage(forged+"-2", []byte("b"))) // dead-lettered
-	_, _ = h(message.NewMessage("", []byte("c")))           // invalid key
+	_, _ = h(message.NewMessage("", []byte("c")))          // invalid key
 	for _, line := range strings.Split(buf.String(), "\n") {
 		if strings.HasPrefix(strings.TrimSpace(line), "level=ERROR msg=\"forged") || strings.Contains(line, "\x1b") || strings.Contains(line, "\r") {
 			t.Fatalf("a key forged or corrupted a log line: %q\n%s", line, buf.String())
