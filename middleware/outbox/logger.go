@@ -1,6 +1,11 @@
 package outbox
 
-import "github.com/ThreeDotsLabs/watermill"
+import (
+	"context"
+	"errors"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
 
 // redactedFields are log fields in which Watermill's components put message contents:
 // components/forwarder logs "payload" and "metadata" when it cannot unwrap an envelope, and
@@ -40,7 +45,15 @@ func clean(fields watermill.LogFields) watermill.LogFields {
 	return fields
 }
 
+// Error logs at ERROR, except an error caused by a cancelled context: a graceful stop of the
+// relay (Close, or the context given to Run) cancels watermill-sql's poll in flight ("could
+// not commit tx for querying message: context canceled"), which is harmless (the batch's
+// offset was not stored, so it is read again after the restart) and is logged at INFO.
 func (r redactingLogger) Error(msg string, err error, fields watermill.LogFields) {
+	if errors.Is(err, context.Canceled) {
+		r.l.Info(msg+" (stopping)", clean(fields).Add(watermill.LogFields{"error": err.Error()}))
+		return
+	}
 	r.l.Error(msg, err, clean(fields))
 }
 func (r redactingLogger) Info(msg string, fields watermill.LogFields)  { r.l.Info(msg, clean(fields)) }
