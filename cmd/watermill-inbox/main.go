@@ -100,7 +100,7 @@ func migrateCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				_, err = fmt.Fprintf(cmd.OutOrStdout(), "\n-- the outbox (topic %s)\n%s", obCfg.MessagesTable(), obScript)
+				_, err = fmt.Fprintf(cmd.OutOrStdout(), "\n-- the outbox (topic %s, table %s)\n%s", obCfg.Topic, obCfg.MessagesTable(), obScript)
 				return err
 			}
 			if withOutbox {

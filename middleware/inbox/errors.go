@@ -61,6 +61,8 @@ type InvalidKeyError struct {
 	Length int
 }
 
+// Error returns "inbox: invalid message key from <source>: <reason> (<n> bytes)"; the key
+// itself is never part of it.
 func (e *InvalidKeyError) Error() string {
 	return fmt.Sprintf("inbox: invalid message key from %s: %s (%d bytes)", e.Source, e.Reason, e.Length)
 }

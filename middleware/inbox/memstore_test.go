@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -341,5 +342,34 @@ func TestKeysCannotForgeLogLines(t *testing.T) {
 	}
 	if !strings.Contains(buf.String(), `pay-1\nlevel=ERROR`) {
 		t.Fatalf("the key was not logged escaped:\n%s", buf.String())
+	}
+}
+
+// TestGoexitInHandler: a handler that calls runtime.Goexit (t.FailNow in a test's handler)
+// ends its goroutine; the delivery is settled as abandoned (the Observer is told), and no
+// attempt is recorded.
+func TestGoexitInHandler(t *testing.T) {
+	store := storetest.NewMemStore()
+	rec := &recorder{}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing", Observer: rec,
+		DeadLetterPublisher: &memPublisher{}, DeadLetterTopic: "dead", MaxAttempts: 1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		runtime.Goexit()
+		return nil, nil
+	})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_, _ = h(message.NewMessage("m-goexit", []byte("{}")))
+	}()
+	<-done
+	if got := rec.outcomes(); len(got) != 1 || got[0] != inbox.OutcomeFailedRetryable {
+		t.Fatalf("outcomes %v, want one failed_retryable", got)
+	}
+	if r := store.Records(); len(r) != 0 {
+		t.Fatalf("records %+v, want none: a Goexit is no failure of the message", r)
 	}
 }

@@ -155,8 +155,13 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // twice).
 func (i *Inbox) deliverRecovering(d *delivery, h message.HandlerFunc) (f *failure, panicked bool, p any) {
 	defer func() {
-		if panicked {
-			p = recover()
+		if !panicked {
+			return
+		}
+		if p = recover(); p == nil {
+			// runtime.Goexit: the goroutine ends without returning; settle it here, as
+			// abandoned, so the delivery still has its one outcome.
+			_ = i.settle(d, &failure{kind: failAbandoned, err: errors.New("inbox: the handler called runtime.Goexit")})
 		}
 	}()
 	panicked = true
@@ -358,14 +363,26 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 			return
 		}
 		// Reached on a handler panic: end the transaction, record the attempt, and panic on.
+		// A nil recover is runtime.Goexit (t.FailNow in a test's handler): no failure of the
+		// message; end the transaction and let the goroutine exit.
 		p := recover()
-		if counted != nil {
-			d.attempts, _ = counted.Fail(d.ctx, FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: fmt.Sprintf("handler panicked: %v", p)})
-			d.counted = false
-		} else {
+		goexit := p == nil
+		switch {
+		case counted != nil && goexit:
+			d.attempts, _ = counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
+		case counted != nil:
+			n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: fmt.Sprintf("handler panicked: %v", p)})
+			if err != nil {
+				n = d.attempts + 1 - b2i(d.counted)
+			}
+			d.attempts = n
+		default:
 			_ = tx.Rollback(d.ctx)
 		}
-		panic(p)
+		d.counted = false
+		if !goexit {
+			panic(p)
+		}
 	}()
 
 	txCtx := tx.Context(d.ctx)

@@ -385,16 +385,28 @@ func (s *Store) sendClaim(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch,
 		fired.Store(true)
 		cctx, cancel := context.WithTimeout(context.Background(), t.finish)
 		defer cancel()
+		// Never touch the PgConn itself here (it is not safe for concurrent use): expire the
+		// socket instead, so the claiming goroutine's read fails and pgconn closes it there.
+		abort := func() { _ = conn.Conn().PgConn().Conn().SetDeadline(time.Now()) }
 		if err := conn.Conn().PgConn().CancelRequest(cctx); err != nil {
-			_ = conn.Conn().PgConn().Close(cctx)
+			abort()
 			return
 		}
 		select {
 		case <-time.After(t.finish):
-			_ = conn.Conn().PgConn().Close(cctx) // the server did not answer: give up on it
+			abort() // the server did not answer: give up on it
 		case <-sent:
 		}
 	})
+	if err := ctx.Err(); err != nil {
+		// Ended before anything was sent: a cancel request would find nothing to cancel.
+		close(sent)
+		if !stop() {
+			<-done
+		}
+		t.poisoned = fired.Load()
+		return err
+	}
 	br := conn.Conn().SendBatch(context.WithoutCancel(ctx), b)
 	t.tx = br.Tx()
 	err := br.Close()
