@@ -29,4 +29,9 @@
 // The guarantee covers only writes made through the inbox transaction. Calls to other
 // systems (HTTP, e-mail, another database, publishing to a broker) are not rolled back and
 // may repeat on redelivery; see docs/design.md in the repository.
+//
+// The storage contract (Store, Tx, and the optional AttemptStore, Purger and FaultClassifier)
+// is at version 2 and may still change before 1.0; package storetest holds its conformance
+// suite and MemStore, the in-memory reference store. docs/design.md draws the packages and
+// one delivery's path.
 package inbox
