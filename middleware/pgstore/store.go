@@ -442,7 +442,6 @@ func (s *Store) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int,
 // querier is what adjust runs on: the pool, or a connection acquired from it.
 type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
 func (s *Store) adjust(ctx context.Context, q querier, p inbox.AttemptParams) (int, error) {
@@ -456,13 +455,16 @@ func (s *Store) adjust(ctx context.Context, q querier, p inbox.AttemptParams) (i
 			" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now()"+
 			" RETURNING a.attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
 	} else {
-		err = q.QueryRow(ctx, "UPDATE "+s.attempts+" SET attempts = greatest(attempts + $3, 0),"+
-			" last_error = coalesce($4, last_error) WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL"+
-			" RETURNING attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
-		if err == nil && n == 0 {
-			_, err = q.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
-				" AND attempts = 0 AND last_error IS NULL AND dead_lettered_at IS NULL", k.MessageID, k.ConsumerName)
-		}
+		// One statement, so it is applied wholly or not at all (Fail retries a refused one):
+		// a record that would be left with no attempt and no error goes, any other is
+		// updated. The two conditions exclude each other, so at most one part acts.
+		err = q.QueryRow(ctx, "WITH d AS (DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2"+
+			" AND dead_lettered_at IS NULL AND attempts + $3 <= 0 AND coalesce($4, last_error) IS NULL RETURNING 0 AS attempts),"+
+			" u AS (UPDATE "+s.attempts+" SET attempts = greatest(attempts + $3, 0), last_error = coalesce($4, last_error)"+
+			" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL"+
+			" AND NOT (attempts + $3 <= 0 AND coalesce($4, last_error) IS NULL) RETURNING attempts)"+
+			" SELECT attempts FROM d UNION ALL SELECT attempts FROM u",
+			k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
 	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, nil

@@ -181,7 +181,7 @@ func (s *MemStore) claim(ctx context.Context, p inbox.CountedClaimParams, counte
 	}
 	res.Claimed = true
 	if counted {
-		rec, ok := s.records[k]
+		rec := s.records[k]
 		res.Record = rec
 		tx.counted = true
 		if rec.DeadLettered {
@@ -189,7 +189,6 @@ func (s *MemStore) claim(ctx context.Context, p inbox.CountedClaimParams, counte
 			tx.release(false)
 			return nil, res, nil
 		}
-		_ = ok
 	}
 	s.held[k] = tx
 	return tx, res, nil
