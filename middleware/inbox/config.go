@@ -141,6 +141,10 @@ type Config struct {
 	// metrics and tracing. It runs on the delivery's goroutine after the outcome is settled
 	// and before the router acks or nacks, so it must be quick and must not block.
 	Observer Observer
+	// Tracer, when set, is told where each delivery and each of its phases (claim, handler,
+	// commit, dead letter) start and end, and injects trace context into dead letters and
+	// produced messages (see Tracer; middleware/inboxtrace implements it with OpenTelemetry).
+	Tracer Tracer
 }
 
 func (c *Config) setDefaults() {

@@ -33,10 +33,14 @@ func (i *Inbox) deadLetter(d *delivery, mark bool) error {
 	dl.Metadata.Set(DeadLetterConsumerKey, i.cfg.ConsumerName)
 	dl.Metadata.Set(DeadLetterMessageKeyKey, d.params.Key.MessageID)
 	fields := watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID), "attempts": d.res.Attempts, "dead_letter_topic": i.cfg.DeadLetterTopic}
+	pctx, endPhase := i.startPhase(ctx, PhaseDeadLetter)
+	i.inject(pctx, PhaseDeadLetter, dl)
 	if err := i.cfg.DeadLetterPublisher.Publish(i.cfg.DeadLetterTopic, dl); err != nil {
+		endPhase(err)
 		i.logger.Error("Could not publish the dead letter; nacking", err, fields)
 		return fmt.Errorf("inbox: publishing dead letter: %w", err)
 	}
+	defer endPhase(nil)
 	if mark {
 		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), i.cfg.FinishTimeout)
 		defer cancel()
@@ -46,7 +50,8 @@ func (i *Inbox) deadLetter(d *delivery, mark bool) error {
 			i.logger.Error("Dead letter published but its state not recorded", err, fields)
 		}
 	}
-	i.logger.Info("Message dead-lettered", fields.Add(watermill.LogFields{"reason": d.res.Reason}))
+	// ERROR: a dead letter needs an operator (Watermill's LoggerAdapter has no WARN level).
+	i.logger.Error("Message dead-lettered", errors.New(d.res.Reason), fields)
 	return nil
 }
 

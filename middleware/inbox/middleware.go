@@ -134,6 +134,7 @@ func (i *Inbox) ConsumerName() string { return i.cfg.ConsumerName }
 func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		d := i.newDelivery(msg)
+		i.startDelivery(d)
 		f, panicked, p := i.deliverRecovering(d, h)
 		if !panicked {
 			return nil, i.settle(d, f)
@@ -182,6 +183,7 @@ type delivery struct {
 	counted    bool  // this delivery's count is in the store
 	attempts   int   // the attempt count after the last recorded change, when counted
 	res        Result
+	traceEnd   func(Result) // Config.Tracer's end of the delivery, until called
 }
 
 func (i *Inbox) newDelivery(msg *message.Message) *delivery {
@@ -302,7 +304,8 @@ func (i *Inbox) deliver(d *delivery, h message.HandlerFunc) *failure {
 // delivery (d.res.Outcome is set), or the failure.
 func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	start := time.Now()
-	claimCtx, cancel := context.WithTimeout(d.ctx, i.cfg.ClaimTimeout)
+	phaseCtx, endClaim := i.startPhase(d.ctx, PhaseClaim)
+	claimCtx, cancel := context.WithTimeout(phaseCtx, i.cfg.ClaimTimeout)
 	var (
 		tx        Tx
 		counted   CountedTx
@@ -328,6 +331,7 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	}
 	cancel()
 	d.res.Claim = time.Since(start)
+	endClaim(err)
 	if err != nil {
 		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: claim: %w", err)}
 	}
@@ -358,9 +362,13 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	}
 
 	settled := false
+	var endHandler func(error)
 	defer func() {
 		if settled {
 			return
+		}
+		if endHandler != nil {
+			endHandler(errors.New("inbox: the handler panicked or exited"))
 		}
 		// Reached on a handler panic: end the transaction, record the attempt, and panic on.
 		// A nil recover is runtime.Goexit (t.FailNow in a test's handler): no failure of the
@@ -385,7 +393,9 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		}
 	}()
 
-	txCtx := tx.Context(d.ctx)
+	handlerCtx, endH := i.startPhase(d.ctx, PhaseHandler)
+	endHandler = endH
+	txCtx := tx.Context(handlerCtx)
 	hstart := time.Now()
 	produced, herr := h(d.handlerMessage(txCtx))
 	if herr == nil && len(produced) > 0 {
@@ -393,13 +403,16 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	}
 	d.res.Handler = time.Since(hstart)
 	settled = true
+	endH(herr)
 
 	if herr != nil {
 		return i.failTx(d, tx, counted, herr)
 	}
 	cstart := time.Now()
+	_, endCommit := i.startPhase(d.ctx, PhaseCommit)
 	err = tx.Commit(d.ctx)
 	d.res.Commit = time.Since(cstart)
+	endCommit(err)
 	switch {
 	case err == nil:
 		d.counted = false // the commit cleared the attempt record
@@ -522,6 +535,7 @@ func (i *Inbox) settle(d *delivery, f *failure) error {
 	case OutcomeFailedRetryable, OutcomeFailedFinal:
 		i.failed.Add(1)
 	}
+	d.endDelivery()
 	if i.cfg.Observer != nil {
 		i.observe(d)
 	}
@@ -590,6 +604,7 @@ func (i *Inbox) settleFailure(d *delivery, f *failure) {
 // collision applies OnKeyCollision to a duplicate whose payload hash differs.
 func (i *Inbox) collision(d *delivery) {
 	i.collisions.Add(1)
+	d.res.Collision = true
 	i.logger.Error("Key collision: key already processed with a different payload", ErrKeyCollision,
 		watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID), "policy": i.cfg.OnKeyCollision})
 	switch {
@@ -624,6 +639,9 @@ func (i *Inbox) storeProduced(txCtx context.Context, tx Tx, produced []*message.
 	}
 	if topic == "" {
 		return ErrNoPublishTopic
+	}
+	for _, m := range produced {
+		i.inject(txCtx, PhaseHandler, m)
 	}
 	if cid := wmmiddleware.MessageCorrelationID(received); cid != "" {
 		for _, m := range produced {

@@ -82,6 +82,10 @@ type Result struct {
 	Err error
 	// Reason is the dead-letter reason, for OutcomeDeadLettered.
 	Reason string
+	// Collision reports a key collision (the key already processed with a different payload
+	// hash), whatever became of it: OutcomeCollision, OutcomeDeadLettered or
+	// OutcomeFailedFinal. (An invalid key is a Result whose Key.MessageID is empty.)
+	Collision bool
 	// Claim, Handler and Commit are the time spent in the last transaction's claim
 	// (including a wait behind a concurrent copy), handler and commit. Zero when the step
 	// did not run.
