@@ -34,17 +34,17 @@ type Options struct {
 // per registry with New, then take an Observer per inbox (Observer) and wrap the relay's
 // publisher (RelayPublisher). It is safe for concurrent use.
 type Metrics struct {
-	deliveries   *prometheus.CounterVec
-	invalidKeys  *prometheus.CounterVec
-	collisions   *prometheus.CounterVec
-	txRetries    *prometheus.CounterVec
-	keyBrakes    *prometheus.CounterVec
-	claim        *prometheus.HistogramVec
-	handler      *prometheus.HistogramVec
-	commit       *prometheus.HistogramVec
-	relayed      *prometheus.CounterVec
-	relayLag     *prometheus.HistogramVec
-	relayErrors  *prometheus.CounterVec
+	deliveries  *prometheus.CounterVec
+	invalidKeys *prometheus.CounterVec
+	collisions  *prometheus.CounterVec
+	txRetries   *prometheus.CounterVec
+	keyBrakes   *prometheus.CounterVec
+	claim       *prometheus.HistogramVec
+	handler     *prometheus.HistogramVec
+	commit      *prometheus.HistogramVec
+	relayed     *prometheus.CounterVec
+	relayLag    *prometheus.HistogramVec
+	relayErrors *prometheus.CounterVec
 }
 
 // New creates the metrics and registers them with reg (required: pass

@@ -175,11 +175,11 @@ func TestScrapeEqualsBusinessTruth(t *testing.T) {
 	for i := range 5 { // duplicates
 		deliver(fmt.Sprintf("pay-%d", i), strconv.Itoa(i+1), 1)
 	}
-	deliver("pay-7", "999", 1)            // a key collision: dead-lettered
-	deliver("poison", "1", 3)              // failed, dead-lettered, skipped
-	deliver("", "1", 1)                    // invalid key: dead-lettered
-	deliver("flaky", "100", 2)             // failed, then processed
-	deliver("conflict", "1000", 1)         // one transaction retry, processed
+	deliver("pay-7", "999", 1)     // a key collision: dead-lettered
+	deliver("poison", "1", 3)      // failed, dead-lettered, skipped
+	deliver("", "1", 1)            // invalid key: dead-lettered
+	deliver("flaky", "100", 2)     // failed, then processed
+	deliver("conflict", "1000", 1) // one transaction retry, processed
 	unique += 100 + 1000
 
 	// Relay the produced receipts through a real relay into a gochannel Pub/Sub.
@@ -254,7 +254,9 @@ func TestScrapeEqualsBusinessTruth(t *testing.T) {
 			len(dls), collisionDLs, invalidDLs, deadRows, processedRows)
 	}
 	conflictRuns := float64(runs("conflict").Load())
-	lbl := func(outcome string) map[string]string { return map[string]string{"consumer": consumer, "outcome": outcome} }
+	lbl := func(outcome string) map[string]string {
+		return map[string]string{"consumer": consumer, "outcome": outcome}
+	}
 	c := map[string]string{"consumer": consumer}
 	stats := ib.Stats()
 	checks := []struct {
