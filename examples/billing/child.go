@@ -80,6 +80,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		fmt.Sprintf("-crash-on-rejection=%d", crash.onRejection),
 		fmt.Sprintf("-amqp-consumers=%d", d.o.amqpConsumers),
 		"-app-name="+d.consumerAppName(c.n),
+		"-metrics-addr="+d.o.metricsAddr,
 	)
 	// The consumer builds its broker from the environment (router.ConfigFromEnv).
 	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL())

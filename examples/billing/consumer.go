@@ -154,6 +154,11 @@ func consume(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
+	metrics, err := newDemoMetrics(o.metricsAddr, store) // Prometheus: see metrics.go
+	if err != nil {
+		return err
+	}
+	demoRegistry = metrics
 	// r.NewInbox fills in the broker's redelivery signal and broker-side fields.
 	billing, err := r.NewInbox(inbox.Config{
 		Store:        store,
@@ -164,7 +169,8 @@ func consume(ctx context.Context, o options) error {
 		DeadLetterTopic:     o.deadLetterTopic,
 		MaxAttempts:         o.maxAttempts,
 		// The receipts the handler returns are written in the inbox transaction.
-		Outbox: ob,
+		Outbox:   ob,
+		Observer: metrics.m.Observer(consumerName),
 	}, logger)
 	if err != nil {
 		return err

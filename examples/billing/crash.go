@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -46,7 +47,14 @@ type consumerReport struct {
 	// whose handler the consumer SIGKILLed itself (-crash-on-rejection).
 	Rejected    string `json:"rejected,omitempty"`
 	RejectedRun int64  `json:"rejected_run,omitempty"`
+	// DedupHitRate and ClaimP99 (seconds) come from the billing inbox's Prometheus metrics
+	// (metrics.go); null when nothing was observed.
+	DedupHitRate *float64 `json:"dedup_hit_rate,omitempty"`
+	ClaimP99     *float64 `json:"claim_p99_seconds,omitempty"`
 }
+
+// demoRegistry is the consumer's metrics, for report.
+var demoRegistry *demoMetrics
 
 // inboxes are the consumer's two inboxes: the billing handler's and the downstream receipts
 // handler's.
@@ -73,6 +81,9 @@ func (c *crashPoints) report(kind string, r consumerReport) {
 	r.Processed, r.Duplicates, r.Failed, r.TxRetries = b.Processed, b.Duplicates, b.Failed, b.TxRetries
 	r.DeadLettered, r.DeadLetteredSkips = b.DeadLettered, b.DeadLetteredSkips
 	r.ReceiptsProcessed, r.ReceiptsDuplicates = r2.Processed, r2.Duplicates
+	if rate, p99 := demoRegistry.summary(); !math.IsNaN(rate) && !math.IsNaN(p99) {
+		r.DedupHitRate, r.ClaimP99 = &rate, &p99
+	}
 	j, _ := json.Marshal(r)
 	// os.Stdout is unbuffered: the line is in the pipe before the next statement runs.
 	fmt.Printf("%s %s\n", kind, j)
