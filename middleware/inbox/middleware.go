@@ -535,7 +535,7 @@ func (i *Inbox) settle(d *delivery, f *failure) error {
 	case OutcomeFailedRetryable, OutcomeFailedFinal:
 		i.failed.Add(1)
 	}
-	d.endDelivery()
+	i.endDelivery(d)
 	if i.cfg.Observer != nil {
 		i.observe(d)
 	}

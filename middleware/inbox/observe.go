@@ -2,7 +2,9 @@ package inbox
 
 import (
 	"context"
+	"fmt"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -80,12 +82,20 @@ func (i *Inbox) startDelivery(d *delivery) {
 	d.traceEnd = end
 }
 
-// endDelivery calls the delivery's end function once.
-func (d *delivery) endDelivery() {
-	if end := d.traceEnd; end != nil {
-		d.traceEnd = nil
-		end(d.res)
+// endDelivery calls the delivery's Tracer end function once; a panic in it is logged, never
+// taken for the handler's.
+func (i *Inbox) endDelivery(d *delivery) {
+	end := d.traceEnd
+	if end == nil {
+		return
 	}
+	d.traceEnd = nil
+	defer func() {
+		if p := recover(); p != nil {
+			i.logger.Error("Tracer panicked", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		}
+	}()
+	end(d.res)
 }
 
 // startPhase calls Config.Tracer.StartPhase; without a Tracer it returns ctx and a no-op.
