@@ -273,8 +273,8 @@ func TestMessageContextCancelledAfterHandlerStillCommits(t *testing.T) {
 func serializationPair(t *testing.T, iso sql.IsolationLevel, maxRetries int) (*env, *inbox.Inbox, []error) {
 	e := newEnv(t, 3)
 	ib := e.inbox("billing", func(c *inbox.Config) { c.Isolation = iso; c.MaxTxRetries = maxRetries })
-	firstIn := make(chan struct{})
-	var once sync.Once
+	firstIn, secondIn := make(chan struct{}), make(chan struct{})
+	var once, onceSecond sync.Once
 	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := pgstore.TxFromContext(msg.Context())
 		var bal int64 // take the snapshot before the other transaction commits
@@ -286,9 +286,16 @@ func serializationPair(t *testing.T, iso sql.IsolationLevel, maxRetries int) (*e
 				return nil, err
 			}
 			once.Do(func() { close(firstIn) })
-			time.Sleep(300 * time.Millisecond)
+			// Commit only once the second delivery holds its snapshot, however slow the
+			// machine is to start it: that is what makes its update conflict (40001).
+			select {
+			case <-secondIn:
+			case <-time.After(30 * time.Second):
+			}
+			time.Sleep(50 * time.Millisecond)
 			return nil, nil
 		}
+		onceSecond.Do(func() { close(secondIn) })
 		<-firstIn
 		return e.credit(msg)
 	})
