@@ -457,3 +457,81 @@ func TestMigrateRefusesAnotherLayout(t *testing.T) {
 	}
 	_ = tx.Commit(context.Background())
 }
+
+// TestLayoutMigrationSQL converts a text-layout table holding processed messages into each
+// new layout and mode: every row is there afterwards (duplicates of the old messages are
+// still caught, with their payload hashes), the table claims new messages, and a table with
+// a key the new layout cannot hold is refused with nothing changed.
+func TestLayoutMigrationSQL(t *testing.T) {
+	ctx := context.Background()
+	for _, to := range []pgstore.Config{
+		{Layout: pgstore.LayoutCompact},
+		{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{Interval: pgstore.PartitionHourly, ProducerTime: pgstore.ProducerTimeFromKey}},
+		{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+	} {
+		sch := testenv.NewSchema(t, 2)
+		text := sch.Store(t)
+		to.Schema = sch.Name
+		ids := []string{uuid7("a", time.Now().Add(-50*time.Hour)), uuid7("b", time.Now()), uuid7("c", time.Now().Add(-2*time.Hour))}
+		hash := sha256.Sum256([]byte("payload"))
+		for _, id := range ids {
+			tx, _, err := text.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = tx.Commit(ctx)
+		}
+		script, err := pgstore.LayoutMigrationSQL(pgstore.Config{Schema: sch.Name}, to)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := sch.Pool.Exec(ctx, script); err != nil {
+			t.Fatalf("conversion to %+v: %v\n%s", to, err, script)
+		}
+		s, err := pgstore.New(sch.Pool, to)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Migrate(ctx); err != nil {
+			t.Fatalf("Migrate after the conversion: %v", err)
+		}
+		for _, id := range ids {
+			tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
+			if err != nil || res.Claimed || tx != nil || !strings.HasPrefix(string(hash[:]), string(res.StoredPayloadHash)) || len(res.StoredPayloadHash) < 4 {
+				t.Fatalf("converted %+v: claim of an old message: %+v, %v; want a duplicate with its hash", to, res, err)
+			}
+		}
+		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("new", time.Now()), ConsumerName: "billing"}})
+		if err != nil || !res.Claimed {
+			t.Fatalf("converted %+v: new claim: %+v %v", to, res, err)
+		}
+		_ = tx.Commit(ctx)
+		var n int
+		if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()).Scan(&n); err != nil || n != 4 {
+			t.Fatalf("converted %+v: %d rows, err %v; want 4", to, n, err)
+		}
+	}
+	// A key the compact layout cannot hold: refused, nothing changed.
+	sch := testenv.NewSchema(t, 2)
+	text := sch.Store(t)
+	tx, _, err := text.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "order-7", ConsumerName: "billing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = tx.Commit(ctx)
+	script, err := pgstore.LayoutMigrationSQL(pgstore.Config{Schema: sch.Name}, pgstore.Config{Schema: sch.Name, Layout: pgstore.LayoutCompact})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sch.Pool.Exec(ctx, script); err == nil || !strings.Contains(err.Error(), "not a canonical lowercase UUID") {
+		t.Fatalf("conversion of a table with a text key: %v", err)
+	}
+	_, _ = sch.Pool.Exec(ctx, "ROLLBACK")
+	var n int
+	if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+text.Table()+" WHERE message_id = 'order-7'").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("after the refused conversion: %d rows, err %v", n, err)
+	}
+	if _, err := pgstore.LayoutMigrationSQL(pgstore.Config{}, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromClaim}}); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("conversion to ProducerTimeFromClaim: %v", err)
+	}
+}
