@@ -185,8 +185,8 @@ func (c *Config) setDefaults() {
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
 // without a topic (or the reverse), a dead-letter topic on a Store that is not an
-// AttemptStore, MaxAttempts below 1 or an unknown collision policy. New calls it after filling
-// defaults.
+// AttemptStore, MaxAttempts below 1, a Store that needs producer times (ClaimChecker) without
+// ProducerTime, or an unknown collision policy. New calls it after filling defaults.
 func (c Config) Validate() error {
 	if c.Store == nil {
 		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)

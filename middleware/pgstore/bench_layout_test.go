@@ -115,7 +115,7 @@ func BenchmarkBytesPerRow(b *testing.B) {
 }
 
 // BenchmarkPartitionDropVsDelete removes the same number of expired rows (INBOX_BENCH_ROWS,
-// default 300,000) from a partitioned inbox table (text layout, daily) two ways: detaching
+// default 200,000) from a partitioned inbox table (text layout, daily) two ways: detaching
 // (CONCURRENTLY) and dropping the partition that holds them (DropPartitions), and deleting
 // them in batches of 5,000 ordered by received_at (Purge, the row-by-row way), followed by
 // the VACUUM that the batched delete needs and the drop does not. Both partitions are filled
@@ -123,7 +123,7 @@ func BenchmarkBytesPerRow(b *testing.B) {
 //
 //	go test ./middleware/pgstore -run '^$' -bench PartitionDropVsDelete -benchtime 1x -count 3
 func BenchmarkPartitionDropVsDelete(b *testing.B) {
-	rows := benchRows(b, 300_000)
+	rows := benchRows(b, 200_000)
 	ctx := context.Background()
 	for range b.N {
 		b.StopTimer()
