@@ -3,8 +3,8 @@ package main
 import (
 	"context"
 	"errors"
+	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +15,18 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
+
+// runMainEnv, set in the environment, makes the test binary run main() with its arguments,
+// so a test can check the command's exit status without building it.
+const runMainEnv = "WATERMILL_INBOX_TEST_RUN_MAIN"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(runMainEnv) == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
 
 // uuidV7At returns a UUIDv7 whose timestamp is at.
 func uuidV7At(t *testing.T, at time.Time) string {
@@ -126,12 +138,9 @@ func TestPartitionsBadInput(t *testing.T) {
 	if err == nil || !strings.Contains(out, "is not partitioned") {
 		t.Fatalf("list on a plain table: %v\n%s", err, out)
 	}
-	// The binary's exit status.
-	bin := filepath.Join(t.TempDir(), "watermill-inbox")
-	if b, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, b)
-	}
-	c := exec.Command(bin, "partitions", "list", "--database-url", "postgres://ops:s3cret@127.0.0.1:1/none?connect_timeout=2")
+	// The binary's exit status: this test binary runs main() (see TestMain).
+	c := exec.Command(os.Args[0], "partitions", "list", "--database-url", "postgres://ops:s3cret@127.0.0.1:1/none?connect_timeout=2")
+	c.Env = append(os.Environ(), runMainEnv+"=1")
 	b, err := c.CombinedOutput()
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.ExitCode() != 1 || strings.Contains(string(b), "s3cret") || !strings.Contains(string(b), "connect to") {
