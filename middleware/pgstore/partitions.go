@@ -127,9 +127,10 @@ func (s *Store) withPartitionLock(ctx context.Context, f func(conn *pgxpool.Conn
 
 // EnsurePartitions creates the missing partitions whose periods overlap [from, to] (UTC
 // periods of the configured interval) and returns the names it created. It is idempotent and
-// safe to run from several instances at once (an advisory lock serialises them). CREATE
-// TABLE ... PARTITION OF takes a brief ACCESS EXCLUSIVE lock on the parent table, so it waits
-// for running claims (and they for it) for as long as the statement runs.
+// safe to run from several instances at once (an advisory lock serialises them). Each
+// partition is created as a table and attached (ALTER TABLE ... ATTACH PARTITION), in one
+// transaction: that takes a SHARE UPDATE EXCLUSIVE lock on the parent, which running claims
+// do not conflict with (CREATE TABLE ... PARTITION OF would take ACCESS EXCLUSIVE).
 func (s *Store) EnsurePartitions(ctx context.Context, from, to time.Time) (created []string, err error) {
 	if s.cfg.Partitioning == nil {
 		return nil, ErrNotPartitioned
@@ -152,9 +153,19 @@ func (s *Store) EnsurePartitions(ctx context.Context, from, to time.Time) (creat
 			if exists {
 				continue
 			}
-			_, err := conn.Exec(ctx, fmt.Sprintf("CREATE TABLE %s PARTITION OF %s FOR VALUES FROM (%s) TO (%s)",
-				pgx.Identifier{s.cfg.Schema, name}.Sanitize(), s.table,
-				quoteLiteral(p.Format(time.RFC3339)), quoteLiteral(p.Add(step).Format(time.RFC3339))))
+			// CREATE TABLE ... PARTITION OF would take an ACCESS EXCLUSIVE lock on the parent,
+			// queueing every claim behind any long inbox transaction. A table created apart and
+			// attached takes only SHARE UPDATE EXCLUSIVE on the parent, which claims (ROW
+			// EXCLUSIVE) do not conflict with. One transaction: no half-made partition stays.
+			qname := pgx.Identifier{s.cfg.Schema, name}.Sanitize()
+			err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, "CREATE TABLE "+qname+" (LIKE "+s.table+" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, fmt.Sprintf("ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM (%s) TO (%s)",
+					s.table, qname, quoteLiteral(p.Format(time.RFC3339)), quoteLiteral(p.Add(step).Format(time.RFC3339))))
+				return err
+			})
 			if err != nil {
 				return fmt.Errorf("pgstore: partitions: create %s: %w", name, err)
 			}
