@@ -535,3 +535,59 @@ func TestLayoutMigrationSQL(t *testing.T) {
 		t.Fatalf("conversion to ProducerTimeFromClaim: %v", err)
 	}
 }
+
+// TestPartitionMaintenanceDoesNotBlockClaims: with an inbox transaction open (a slow
+// handler), creating a partition completes without waiting for it, and while a drop waits for
+// that transaction (DETACH ... CONCURRENTLY waits for transactions that may see the partition),
+// new claims still go through at once; the drop completes after the slow one commits.
+func TestPartitionMaintenanceDoesNotBlockClaims(t *testing.T) {
+	s, sch := layoutStore(t, 6, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	ctx := context.Background()
+	today := pgstore.PeriodOf(time.Now(), pgstore.PartitionDaily)
+	old := today.Add(-5 * 24 * time.Hour)
+	if _, err := s.EnsurePartitions(ctx, old, old); err != nil {
+		t.Fatal(err)
+	}
+	claim := func(name string, at time.Time) inbox.Tx {
+		t.Helper()
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		tx, res, err := s.Claim(cctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}})
+		if err != nil || !res.Claimed {
+			t.Fatalf("claim %s while maintenance runs: %+v %v", name, res, err)
+		}
+		return tx
+	}
+	slow := claim("slow", today)
+	ectx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	created, err := s.EnsurePartitions(ectx, today.Add(10*24*time.Hour), today.Add(10*24*time.Hour))
+	cancel()
+	if err != nil || len(created) != 1 {
+		t.Fatalf("EnsurePartitions with an inbox transaction open: %v %v; want it created without waiting", created, err)
+	}
+	dropped := make(chan error, 1)
+	go func() {
+		_, err := s.DropPartitions(ctx, old.Add(24*time.Hour))
+		dropped <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	if err := claim("during-drop", today).Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := slow.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-dropped:
+		if err != nil {
+			t.Fatalf("DropPartitions: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("DropPartitions did not finish after the open transaction committed")
+	}
+	var rows int
+	var gone bool
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), to_regclass($1) IS NULL", sch.Name+".inbox_processed_messages_p"+old.Format("20060102")).Scan(&rows, &gone); err != nil || rows != 2 || !gone {
+		t.Fatalf("after: %d rows (want 2), old partition gone %v, err %v", rows, gone, err)
+	}
+}
