@@ -170,6 +170,40 @@ func TestPartitionedModeNeedsAProducerTime(t *testing.T) {
 	if err := s.CheckClaim(inbox.ClaimParams{Key: inbox.Key{MessageID: "m", ConsumerName: "c"}}); !errors.Is(err, pgstore.ErrNoProducerTime) {
 		t.Fatalf("CheckClaim without a producer time: %v", err)
 	}
+	// Through the inbox: a message without a producer time, or with an unreadable one, is an
+	// invalid key; the handler does not run and nothing is written.
+	if _, err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: s, ConsumerName: "c", InvalidKeyBrake: inbox.InvalidKeyBrake{Disabled: true},
+		ProducerTime: func(m *message.Message) (time.Time, bool, error) {
+			switch v := m.Metadata.Get("produced_at"); v {
+			case "":
+				return time.Time{}, false, nil
+			case "garbage":
+				return time.Time{}, false, errors.New("not a time")
+			default:
+				ts, err := time.Parse(time.RFC3339Nano, v)
+				return ts, err == nil, err
+			}
+		}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil })
+	for _, v := range []string{"", "garbage"} {
+		msg := message.NewMessage(uuid7("m-"+v, time.Now()), []byte("{}"))
+		msg.Metadata.Set("produced_at", v)
+		msg.SetContext(context.Background())
+		if _, err := h(msg); !errors.Is(err, inbox.ErrInvalidKey) || !inbox.IsPermanent(err) {
+			t.Fatalf("produced_at %q: %v; want a permanent invalid-key error", v, err)
+		}
+	}
+	var rows int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.Table()).Scan(&rows); err != nil || rows != 0 || ran != 0 {
+		t.Fatalf("rows %d (err %v), handler runs %d; want none", rows, err, ran)
+	}
 	k, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
 	if err != nil {
 		t.Fatal(err)
