@@ -69,6 +69,7 @@ func rootCmd() *cobra.Command {
 		Version:       version(),
 	}
 	root.AddCommand(migrateCmd())
+	root.AddCommand(partitionsCmd())
 	return root
 }
 

@@ -137,6 +137,12 @@ type Config struct {
 	// ErrProducedMessages.
 	Outbox Outbox
 
+	// ProducerTime, when set, reads when the producer created each message; the claim carries
+	// it (ClaimParams.ProducerTime) so a store partitioned by producer time files every copy
+	// of a message in the same partition. Required by such a store (see ClaimChecker). A
+	// message it cannot read a time from is refused as an invalid key.
+	ProducerTime ProducerTimeReader
+
 	// Observer, when set, is told how every delivery ended (see Result): the hook for
 	// metrics and tracing. It runs on the delivery's goroutine after the outcome is settled
 	// and before the router acks or nacks, so it must be quick and must not block.
@@ -183,8 +189,8 @@ func (c *Config) setDefaults() {
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
 // without a topic (or the reverse), a dead-letter topic on a Store that is not an
-// AttemptStore, MaxAttempts below 1 or an unknown collision policy. New calls it after filling
-// defaults.
+// AttemptStore, MaxAttempts below 1, a Store that needs producer times (ClaimChecker) without
+// ProducerTime, or an unknown collision policy. New calls it after filling defaults.
 func (c Config) Validate() error {
 	if c.Store == nil {
 		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
@@ -213,6 +219,9 @@ func (c Config) Validate() error {
 		if err := c.InvalidKeyBrake.validate(); err != nil {
 			return err
 		}
+	}
+	if err := validateProducerTime(c); err != nil {
+		return err
 	}
 	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
 		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)

@@ -203,6 +203,8 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 		d.keyErr = Permanent(fmt.Errorf("inbox: extracting key from %s: %w", source, err))
 	} else if err := ValidateKey(source, key); err != nil {
 		d.keyErr = err
+	} else if err := i.checkClaim(msg, source, key, &d.params); err != nil {
+		d.keyErr = err
 	}
 	if !i.cfg.InvalidKeyBrake.Disabled {
 		brake, warn := i.keys.observe(i.cfg.InvalidKeyBrake, d.keyErr != nil)
@@ -341,7 +343,7 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		return nil
 	case !claimed:
 		d.counted = false // the store took a duplicate's count back
-		if len(storedSum) > 0 && !bytes.Equal(storedSum, d.params.PayloadHash) {
+		if len(storedSum) > 0 && !bytes.HasPrefix(d.params.PayloadHash, storedSum) {
 			d.res.Outcome = OutcomeCollision
 		} else {
 			d.res.Outcome = OutcomeDuplicate

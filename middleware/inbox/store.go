@@ -45,6 +45,11 @@ type ClaimParams struct {
 	// FinishTimeout bounds whatever the store does detached from ctx on the caller's behalf
 	// (a rollback after a failed claim, releasing a lock); zero means DefaultFinishTimeout.
 	FinishTimeout time.Duration
+	// ProducerTime is when the producer created the message, as Config.ProducerTime read it;
+	// zero when not configured or absent. A store partitioned by producer time (pgstore's
+	// partitioned mode with ProducerTimeFromClaim) files the claim under it, so it must be
+	// the same for every copy of the message.
+	ProducerTime time.Time
 }
 
 // ClaimResult is what Store.Claim learned about a key.
@@ -54,7 +59,9 @@ type ClaimResult struct {
 	// transaction and returned no Tx.
 	Claimed bool
 	// StoredPayloadHash is the payload hash kept with the existing claim, for a duplicate;
-	// nil when the claim is new or the row has none.
+	// nil when the claim is new or the row has none. A store that keeps only a prefix of the
+	// SHA-256 (pgstore's compact layout keeps 4 bytes) returns that prefix, at least 4 bytes
+	// long; the inbox compares it with the same prefix of the new payload's hash.
 	StoredPayloadHash []byte
 }
 

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"text/template"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -38,6 +39,9 @@ type migrationNames struct {
 	ReceivedAtIndex   string
 	Attempts          string
 	AttemptsDeadIndex string
+	Consumers         string
+	Compact           bool
+	Partitioned       bool
 }
 
 // Migrations returns the store's migrations in version order, rendered for its schema and
@@ -52,6 +56,9 @@ func (s *Store) Migrations() ([]Migration, error) {
 		ReceivedAtIndex:   pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
 		Attempts:          s.attempts,
 		AttemptsDeadIndex: pgx.Identifier{s.cfg.Table + "_dead_idx"}.Sanitize(),
+		Consumers:         s.consumers,
+		Compact:           s.cfg.Layout == LayoutCompact,
+		Partitioned:       s.cfg.Partitioning != nil,
 	}
 	var out []Migration
 	for _, e := range entries {
@@ -114,9 +121,10 @@ const migrateLockKey = "watermill-inbox:migrate"
 // Migrate applies pending migrations in one transaction, under a transaction-level advisory
 // lock (pg_advisory_xact_lock), so it is safe when several instances start at once. It
 // creates the schema when it does not exist (needing CREATE on the database only then), and
-// verifies that the inbox table has its unique key on (message_id, consumer_name): an error
-// wrapping inbox.ErrInvalidConfig reports a pre-existing table of the same name with other
-// keys. It returns the versions it applied (none when the schema is current) or the first
+// verifies that the inbox table has the configured layout (see verifyKey): an error
+// wrapping inbox.ErrInvalidConfig reports a pre-existing table of the same name with another
+// layout or other keys. In partitioned mode it then creates the partitions of the previous,
+// current and next periods (PartitionManager keeps the rest: the lead and the window). It returns the versions it applied (none when the schema is current) or the first
 // error, after which nothing is applied.
 func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 	ms, err := s.Migrations()
@@ -170,6 +178,14 @@ func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 	if err != nil {
 		return nil, err
 	}
+	if s.cfg.Partitioning != nil {
+		// The partitions claims need right away: the previous, current and next periods.
+		// The lead and the retention window: PartitionManager or `partitions ensure`.
+		now, step := time.Now(), s.cfg.Partitioning.Interval.Duration()
+		if _, err := s.EnsurePartitions(ctx, now.Add(-step), now.Add(step)); err != nil {
+			return applied, err
+		}
+	}
 	return applied, nil
 }
 
@@ -189,25 +205,45 @@ func MigrationSQL(cfg Config) (string, error) {
 	return s.MigrationSQL()
 }
 
-// verifyKey checks that the inbox table has a unique index on exactly (message_id,
-// consumer_name): CREATE TABLE IF NOT EXISTS adopts an existing table of that name whatever its
-// keys, and the claim's ON CONFLICT (message_id, consumer_name) needs that index (without it
-// every claim fails with SQLSTATE 42P10).
+// verifyKey checks that the inbox table has the configured layout: a unique index on exactly
+// its key columns ((message_id, consumer_name) in the text layout, (message_id, consumer_id)
+// in the compact one, plus period when partitioned), message_id of the layout's type, and
+// partitioned exactly when the store is. CREATE TABLE IF NOT EXISTS adopts an existing table
+// of that name whatever its shape, and the claim's ON CONFLICT needs that index (without it
+// every claim fails with SQLSTATE 42P10). A table of another layout gets an error wrapping
+// inbox.ErrInvalidConfig that points to the conversion script (LayoutMigrationSQL).
 func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
-	var ok bool
+	want := []string{"consumer_name", "message_id"}
+	typ := "text"
+	if s.cfg.Layout == LayoutCompact {
+		want, typ = []string{"consumer_id", "message_id"}, "uuid"
+	}
+	if s.cfg.Partitioning != nil {
+		want = append(want, "period")
+	}
+	var ok, partitioned bool
+	var idType *string
 	err := tx.QueryRow(ctx, `
 		SELECT EXISTS (
 			SELECT 1 FROM pg_index i
-			WHERE i.indrelid = $1::regclass AND i.indisunique AND i.indnkeyatts = 2
+			WHERE i.indrelid = $1::regclass AND i.indisunique AND i.indnkeyatts = cardinality($2::name[])
 			  AND (SELECT array_agg(a.attname ORDER BY a.attname)
 			       FROM pg_attribute a
 			       WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey::int2[]))
-			      = ARRAY['consumer_name', 'message_id']::name[])`, s.table).Scan(&ok)
+			      = $2::name[]),
+		       (SELECT relkind = 'p' FROM pg_class WHERE oid = $1::regclass),
+		       (SELECT format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'message_id')`,
+		s.table, want).Scan(&ok, &partitioned, &idType)
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: verify the inbox key: %w", err)
 	}
-	if !ok {
-		return fmt.Errorf("%w: pgstore: table %s exists without a unique key on (message_id, consumer_name); it was not created by these migrations", inbox.ErrInvalidConfig, s.table)
+	if !ok || idType == nil || *idType != typ || partitioned != (s.cfg.Partitioning != nil) {
+		have := "a plain table"
+		if partitioned {
+			have = "a partitioned table"
+		}
+		return fmt.Errorf("%w: pgstore: table %s (%s, message_id %s) does not have the configured layout (%s, partitioned %v: a unique key on %v); it was created by other settings or other software. Convert it explicitly (pgstore.LayoutMigrationSQL, docs/retention.md), or configure the layout it has",
+			inbox.ErrInvalidConfig, s.table, have, deref(idType), s.cfg.Layout, s.cfg.Partitioning != nil, want)
 	}
 	return nil
 }

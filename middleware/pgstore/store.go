@@ -25,6 +25,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
@@ -86,6 +87,12 @@ type Config struct {
 	// StatementTimeout bounds every statement in the inbox transaction (PostgreSQL
 	// statement_timeout, set locally; SQLSTATE 57014). Zero keeps the server's setting.
 	StatementTimeout time.Duration
+	// Layout is how rows are stored: LayoutText (default; any key) or LayoutCompact (UUID
+	// keys only; about half the bytes per row). See docs/retention.md, "Storage per row".
+	Layout Layout
+	// Partitioning, when set, turns on partitioned mode (range partitions on the producer
+	// time; expired partitions dropped by PartitionManager). Nil: one plain table.
+	Partitioning *Partitioning
 }
 
 // Store is the pgx v5 inbox store. It is safe for concurrent use.
@@ -97,6 +104,14 @@ type Store struct {
 	attempts string // quoted "schema"."<table>_attempts"
 
 	claimSQL, recordSQL, countSQL, hashSQL, clearSQL, clearProcessedSQL string
+
+	// Layout and partitioning (layout.go): the inbox table's key predicate on $1 and $2,
+	// the consumer predicate on a given parameter, the consumers table (compact layout) and
+	// the consumer names known to be registered in it.
+	keyMatch      string
+	consumerMatch func(param string) string
+	consumers     string
+	registered    sync.Map
 }
 
 var (
@@ -138,11 +153,14 @@ func newNames(cfg Config) (*Store, error) {
 	if err := ValidateIdentifier("pgstore: table name", cfg.Table, 47); err != nil {
 		return nil, err
 	}
+	if err := validateLayout(cfg); err != nil {
+		return nil, err
+	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
 	attempts := pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize()
 	insert := "INSERT INTO " + table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
 		" VALUES ($1, $2, $3, $4, $5) ON CONFLICT (message_id, consumer_name) DO NOTHING"
-	return &Store{
+	s := &Store{
 		cfg:      cfg,
 		table:    table,
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
@@ -163,7 +181,11 @@ func newNames(cfg Config) (*Store, error) {
 		// answered ROLLBACK, which ends no pipeline).
 		clearProcessedSQL: "DELETE FROM " + attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL" +
 			" AND EXISTS (SELECT 1 FROM " + table + " WHERE message_id = $1 AND consumer_name = $2)",
-	}, nil
+		keyMatch:      "message_id = $1 AND consumer_name = $2",
+		consumerMatch: func(param string) string { return "consumer_name = " + param },
+	}
+	s.applyLayout()
+	return s, nil
 }
 
 // Table returns the quoted, schema-qualified inbox table name, e.g. "public"."inbox_processed_messages".
@@ -256,11 +278,18 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 	if err != nil {
 		return nil, res, err
 	}
+	period, err := s.period(p.ClaimParams)
+	if err != nil {
+		return nil, res, err
+	}
+	if err := s.registerConsumer(ctx, p.Key.ConsumerName); err != nil {
+		return nil, res, err
+	}
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return nil, res, fmt.Errorf("acquire a connection: %w", err)
 	}
-	t := &claimTx{s: s, conn: conn, key: p.Key, finish: p.FinishTimeout, counted: counted, iso: lvl}
+	t := &claimTx{s: s, conn: conn, key: p.Key, period: period, finish: p.FinishTimeout, counted: counted, iso: lvl}
 	if t.finish <= 0 {
 		t.finish = inbox.DefaultFinishTimeout
 	}
@@ -276,7 +305,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 			t.locked = true
 			return nil
 		})
-		b.Queue(s.countSQL, k.MessageID, k.ConsumerName).Exec(func(ct pgconn.CommandTag) error {
+		b.Queue(s.countSQL, s.keyArgs(k, period)...).Exec(func(ct pgconn.CommandTag) error {
 			res.Counted = ct.RowsAffected() == 1
 			return nil
 		})
@@ -292,8 +321,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		// its own failure, never a waiting copy's count.
 		b.Queue("select pg_advisory_xact_lock(hashtextextended($1, 0))", s.lockKey(k))
 	}
-	args := []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
-	b.Queue(s.claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(s.claimSQL, s.claimArgs(p.ClaimParams, period)...).Exec(func(ct pgconn.CommandTag) error {
 		res.Claimed = ct.RowsAffected() == 1
 		return nil
 	})
@@ -328,7 +356,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 			}
 			return nil
 		})
-		return nil, inbox.CountedClaimResult{}, fmt.Errorf("claim: %w", err)
+		return nil, inbox.CountedClaimResult{}, fmt.Errorf("claim: %w", s.wrapNoPartition(err, period))
 	}
 	t.rec = res.Record
 	t.dirty = res.Counted || res.Record.Attempts > 0 || res.Record.LastError != "" || lvl != pgx.ReadCommitted
@@ -349,8 +377,8 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 	res.Record = inbox.AttemptRecord{}
 	err = t.end(ctx, func(ctx context.Context) error {
 		b := &pgx.Batch{}
-		b.Queue(s.hashSQL, k.MessageID, k.ConsumerName).QueryRow(func(row pgx.Row) error {
-			return row.Scan(&res.StoredPayloadHash)
+		b.Queue(s.hashSQL, s.keyArgs(k, period)...).QueryRow(func(row pgx.Row) error {
+			return s.scanHash(row, &res.StoredPayloadHash)
 		})
 		b.Queue("rollback")
 		if counted {
@@ -450,7 +478,7 @@ func (s *Store) adjust(ctx context.Context, q querier, p inbox.AttemptParams) (i
 	var err error
 	if p.AttemptsDelta > 0 {
 		err = q.QueryRow(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, attempts, last_error)"+
-			" SELECT $1, $2, $3, $4 WHERE NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE message_id = $1 AND consumer_name = $2)"+
+			" SELECT $1, $2, $3, $4 WHERE NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE "+s.keyMatch+")"+
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + EXCLUDED.attempts,"+
 			" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now()"+
 			" RETURNING a.attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
@@ -508,7 +536,12 @@ func (s *Store) Purge(ctx context.Context, p inbox.PurgeParams) (inbox.PurgeResu
 		size = DefaultPurgeBatchSize
 	}
 	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table +
-		" WHERE received_at < $1 AND ($2::text IS NULL OR consumer_name = $2) ORDER BY received_at LIMIT $3))"
+		" WHERE received_at < $1 AND ($2::text IS NULL OR " + s.consumerMatch("$2") + ") ORDER BY received_at LIMIT $3))"
+	if s.cfg.Partitioning != nil {
+		// A ctid is unique only within one partition: name the partition too.
+		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table +
+			" WHERE received_at < $1 AND ($2::text IS NULL OR " + s.consumerMatch("$2") + ") ORDER BY received_at LIMIT $3)"
+	}
 	for {
 		tag, err := s.pool.Exec(ctx, q, p.Before, nullIfEmpty(p.ConsumerName), size)
 		if err != nil {
@@ -603,6 +636,7 @@ type claimTx struct {
 	conn    *pgxpool.Conn
 	tx      pgx.Tx
 	key     inbox.Key
+	period  time.Time // the claim's partition period (partitioned mode)
 	iso     pgx.TxIsoLevel
 	finish  time.Duration
 	counted bool                // a counted claim (ClaimCounted)
@@ -655,10 +689,16 @@ const unlockSQL = "select pg_advisory_unlock_all()"
 func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn.Result, error) {
 	b := &pgconn.Batch{}
 	key := [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}
+	if t.s.cfg.Partitioning != nil {
+		key = append(key, []byte(t.period.Format(time.RFC3339)))
+	}
 	for _, q := range sqls {
 		var args [][]byte
 		if strings.Contains(q, "$1") {
-			args = key
+			args = key[:2]
+			if strings.Contains(q, "$3") {
+				args = key
+			}
 		}
 		b.ExecParams(q, args, nil, nil, nil)
 	}

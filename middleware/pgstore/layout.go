@@ -1,0 +1,368 @@
+package pgstore
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+)
+
+// Layout chooses how the inbox table stores a row (docs/retention.md, "Storage per row").
+type Layout int
+
+const (
+	// LayoutText is the default layout: message_id and consumer_name as text, the full
+	// 32-byte SHA-256 payload hash, message_type and correlation_id, a B-tree index on
+	// received_at. Any valid key works (inbox.ValidateKey). About 200 bytes per row with
+	// UUID keys (heap and indexes).
+	LayoutText Layout = iota
+	// LayoutCompact stores message_id as the uuid type (16 bytes), the consumer as a smallint
+	// mapped through the table "<table>_consumers", the first 4 bytes of the payload's
+	// SHA-256 as an integer (enough to detect a key reused with another payload; one such
+	// collision in 2^32 goes unnoticed), no message_type or correlation_id, and a BRIN index
+	// on received_at: about 100-115 bytes per row. Choose it only when every key is a UUID in
+	// canonical lowercase form (36 characters, as watermill.NewUUID and google/uuid write
+	// them): any other key is refused with an error wrapping ErrKeyNotUUID, which the inbox
+	// treats as an invalid key (dead-lettered; a flood is braked). Other spellings of a UUID
+	// are refused rather than normalised, because the text layout treats them as distinct
+	// keys. At most 32,767 consumer names per table (smallint).
+	LayoutCompact
+)
+
+// String returns "text" or "compact".
+func (l Layout) String() string {
+	switch l {
+	case LayoutText:
+		return "text"
+	case LayoutCompact:
+		return "compact"
+	}
+	return fmt.Sprintf("Layout(%d)", int(l))
+}
+
+// PartitionInterval is the range of producer time one partition of a partitioned inbox
+// table covers, in UTC.
+type PartitionInterval int
+
+const (
+	// PartitionDaily: one partition per UTC day, named "<table>_pYYYYMMDD". The default.
+	PartitionDaily PartitionInterval = iota
+	// PartitionHourly: one partition per UTC hour, named "<table>_pYYYYMMDDHH".
+	PartitionHourly
+)
+
+// Duration returns 24h or 1h.
+func (i PartitionInterval) Duration() time.Duration {
+	if i == PartitionHourly {
+		return time.Hour
+	}
+	return 24 * time.Hour
+}
+
+// String returns "daily" or "hourly".
+func (i PartitionInterval) String() string {
+	if i == PartitionHourly {
+		return "hourly"
+	}
+	return "daily"
+}
+
+// ProducerTimeSource says where a partitioned store reads each message's producer time, the
+// partition key. It must be the same for every copy of a message, or copies land in
+// different partitions and are not deduplicated.
+type ProducerTimeSource int
+
+const (
+	// ProducerTimeUnset is the zero value: a partitioned store refuses it (ErrNoProducerTime).
+	ProducerTimeUnset ProducerTimeSource = iota
+	// ProducerTimeFromKey reads the Unix-millisecond timestamp embedded in the key, which
+	// must then be a UUIDv7 (RFC 9562, section 5.7) in canonical lowercase form; any other key
+	// is refused (ErrKeyNotUUIDv7). A function of the key, so stable by construction.
+	ProducerTimeFromKey
+	// ProducerTimeFromClaim takes inbox.ClaimParams.ProducerTime, which the inbox fills from
+	// inbox.Config.ProducerTime (a producer-set timestamp in metadata, set once when the event
+	// is created). A claim without one is refused (ErrNoProducerTime).
+	ProducerTimeFromClaim
+)
+
+// Partitioning turns on partitioned mode: the inbox table is range-partitioned on "period",
+// the message's producer time truncated to Interval (UTC), and the primary key is (message
+// ID, consumer, period). Every copy of a message carries the same producer time, so it lands
+// in the same partition and the primary key still catches it; expired partitions are dropped
+// whole (PartitionManager) instead of purged row by row.
+type Partitioning struct {
+	// Interval is the range of one partition. Default: PartitionDaily.
+	Interval PartitionInterval
+	// ProducerTime is required: ProducerTimeFromKey or ProducerTimeFromClaim. Without it
+	// New returns an error wrapping ErrNoProducerTime and inbox.ErrInvalidConfig.
+	ProducerTime ProducerTimeSource
+}
+
+// Errors of the compact layout and of partitioned mode.
+var (
+	// ErrKeyNotUUID: a key that is not a canonical lowercase UUID, claimed on a store with
+	// LayoutCompact. It also wraps inbox.ErrInvalidKey.
+	ErrKeyNotUUID = errors.New("pgstore: the compact layout stores message IDs as the uuid type and needs a canonical lowercase UUID (36 characters)")
+	// ErrKeyNotUUIDv7: a key that is not a canonical lowercase UUIDv7, claimed on a store
+	// partitioned with ProducerTimeFromKey. It also wraps inbox.ErrInvalidKey.
+	ErrKeyNotUUIDv7 = errors.New("pgstore: partitioned by the timestamp of UUIDv7 keys, and the key is not a canonical lowercase UUIDv7")
+	// ErrNoProducerTime: partitioned mode without a stable producer time (at New: no
+	// Partitioning.ProducerTime; at a claim with ProducerTimeFromClaim: a zero
+	// ClaimParams.ProducerTime).
+	ErrNoProducerTime = errors.New("pgstore: partitioned mode needs a stable producer time: set Partitioning.ProducerTime to ProducerTimeFromKey (message IDs are UUIDv7; their embedded timestamp) or ProducerTimeFromClaim (inbox.Config.ProducerTime reads a producer-set timestamp from metadata)")
+	// ErrNoPartition: the partition for a claim's producer time does not exist (PostgreSQL
+	// SQLSTATE 23514, "no partition of relation ... found for row"). Nothing was claimed; the
+	// delivery is nacked. Run PartitionManager, or `watermill-inbox partitions ensure`.
+	ErrNoPartition = errors.New("pgstore: no partition for the message's producer time")
+)
+
+// validateLayout checks cfg's layout and partitioning.
+func validateLayout(cfg Config) error {
+	if cfg.Layout != LayoutText && cfg.Layout != LayoutCompact {
+		return fmt.Errorf("%w: pgstore: unknown layout %d", inbox.ErrInvalidConfig, cfg.Layout)
+	}
+	if p := cfg.Partitioning; p != nil {
+		if p.Interval != PartitionDaily && p.Interval != PartitionHourly {
+			return fmt.Errorf("%w: pgstore: unknown partition interval %d", inbox.ErrInvalidConfig, p.Interval)
+		}
+		if p.ProducerTime != ProducerTimeFromKey && p.ProducerTime != ProducerTimeFromClaim {
+			return fmt.Errorf("%w: %w", inbox.ErrInvalidConfig, ErrNoProducerTime)
+		}
+	}
+	return nil
+}
+
+// applyLayout builds the SQL of a compact or partitioned store over the text layout's.
+func (s *Store) applyLayout() {
+	cfg := s.cfg
+	s.consumers = pgx.Identifier{cfg.Schema, cfg.Table + "_consumers"}.Sanitize()
+	part := cfg.Partitioning != nil
+	if cfg.Layout == LayoutText && !part {
+		return
+	}
+	cols, vals, conflict := "message_id, consumer_name, message_type, correlation_id, payload_hash", "$1, $2, $3, $4, $5", "message_id, consumer_name"
+	match := "message_id = $1 AND consumer_name = $2"
+	next := 6
+	if cfg.Layout == LayoutCompact {
+		cols, vals, conflict = "message_id, consumer_id, payload_hash", "$1::text::uuid, "+s.consumerIDSQL("$2")+", $3", "message_id, consumer_id"
+		match = "message_id = $1::text::uuid AND consumer_id = " + s.consumerIDSQL("$2")
+		next = 4
+	}
+	s.keyMatch = match
+	s.consumerMatch = func(param string) string { return "consumer_name = " + param }
+	if cfg.Layout == LayoutCompact {
+		s.consumerMatch = func(param string) string { return "consumer_id = " + s.consumerIDSQL(param) }
+	}
+	pmatch := match // the key in its partition
+	if part {
+		cols += ", period"
+		vals += fmt.Sprintf(", $%d", next)
+		conflict += ", period"
+		pmatch = match + " AND period = $3"
+	}
+	s.claimSQL = "INSERT INTO " + s.table + " (" + cols + ") VALUES (" + vals + ") ON CONFLICT (" + conflict + ") DO NOTHING"
+	s.countSQL = "INSERT INTO " + s.attempts + " AS a (message_id, consumer_name)" +
+		" SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE " + pmatch + ")" +
+		" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
+		" WHERE a.dead_lettered_at IS NULL"
+	s.hashSQL = "SELECT payload_hash FROM " + s.table + " WHERE " + pmatch
+	s.clearProcessedSQL = "DELETE FROM " + s.attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL" +
+		" AND EXISTS (SELECT 1 FROM " + s.table + " WHERE " + pmatch + ")"
+}
+
+// consumerIDSQL is the scalar subquery that maps the consumer name in param to its smallint
+// (compact layout). NULL for an unregistered name, which the NOT NULL column refuses.
+func (s *Store) consumerIDSQL(param string) string {
+	return "(SELECT consumer_id FROM " + s.consumers + " WHERE consumer_name = " + param + ")"
+}
+
+// Layout returns the configured layout.
+func (s *Store) Layout() Layout { return s.cfg.Layout }
+
+// Partitioned reports whether the store is in partitioned mode (Config.Partitioning).
+func (s *Store) Partitioned() bool { return s.cfg.Partitioning != nil }
+
+// ConsumersTable returns the quoted, schema-qualified table that maps consumer names to the
+// smallint the compact layout stores, e.g. "public"."inbox_processed_messages_consumers". It
+// exists only with LayoutCompact.
+func (s *Store) ConsumersTable() string { return s.consumers }
+
+// CheckClaim implements inbox.ClaimChecker: with LayoutCompact the key must be a canonical
+// lowercase UUID (ErrKeyNotUUID); partitioned with ProducerTimeFromKey it must be a UUIDv7
+// (ErrKeyNotUUIDv7); with ProducerTimeFromClaim, p.ProducerTime must be set
+// (ErrNoProducerTime). Errors also wrap inbox.ErrInvalidKey. Nil for the text layout.
+func (s *Store) CheckClaim(p inbox.ClaimParams) error {
+	_, err := s.period(p)
+	return err
+}
+
+// NeedsProducerTime implements inbox.ClaimChecker: true when partitioned with
+// ProducerTimeFromClaim.
+func (s *Store) NeedsProducerTime() bool {
+	return s.cfg.Partitioning != nil && s.cfg.Partitioning.ProducerTime == ProducerTimeFromClaim
+}
+
+// period checks p against the layout and returns the start of the partition period its claim
+// belongs to (zero when not partitioned).
+func (s *Store) period(p inbox.ClaimParams) (time.Time, error) {
+	id := p.Key.MessageID
+	if s.cfg.Layout == LayoutCompact && !canonicalUUID(id) {
+		return time.Time{}, fmt.Errorf("%w (%w)", ErrKeyNotUUID, inbox.ErrInvalidKey)
+	}
+	part := s.cfg.Partitioning
+	if part == nil {
+		return time.Time{}, nil
+	}
+	var t time.Time
+	switch part.ProducerTime {
+	case ProducerTimeFromKey:
+		ts, ok := uuidV7Time(id)
+		if !ok {
+			return time.Time{}, fmt.Errorf("%w (%w)", ErrKeyNotUUIDv7, inbox.ErrInvalidKey)
+		}
+		t = ts
+	default:
+		if p.ProducerTime.IsZero() {
+			return time.Time{}, fmt.Errorf("%w (%w)", ErrNoProducerTime, inbox.ErrInvalidKey)
+		}
+		t = p.ProducerTime
+	}
+	return PeriodOf(t, part.Interval), nil
+}
+
+// PeriodOf returns the start (UTC) of the partition period of interval that holds t.
+func PeriodOf(t time.Time, interval PartitionInterval) time.Time {
+	return t.UTC().Truncate(interval.Duration())
+}
+
+// canonicalUUID reports whether id is a UUID in canonical lowercase 8-4-4-4-12 form.
+func canonicalUUID(id string) bool {
+	if len(id) != 36 {
+		return false
+	}
+	for i := 0; i < 36; i++ {
+		c := id[i]
+		switch i {
+		case 8, 13, 18, 23:
+			if c != '-' {
+				return false
+			}
+		default:
+			if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// uuidV7Time returns the Unix-millisecond timestamp of a canonical lowercase UUIDv7 (RFC
+// 9562, section 5.7: the first 48 bits; version nibble 7; variant 10xx).
+func uuidV7Time(id string) (time.Time, bool) {
+	if !canonicalUUID(id) || id[14] != '7' {
+		return time.Time{}, false
+	}
+	switch id[19] {
+	case '8', '9', 'a', 'b':
+	default:
+		return time.Time{}, false
+	}
+	var ms int64
+	for _, c := range id[0:8] + id[9:13] {
+		ms = ms<<4 | int64(hexVal(byte(c)))
+	}
+	return time.UnixMilli(ms).UTC(), true
+}
+
+func hexVal(c byte) byte {
+	if c >= 'a' {
+		return c - 'a' + 10
+	}
+	return c - '0'
+}
+
+// hashArg is the payload hash as the claim stores it: the whole hash (text layout), or its
+// first 4 bytes as a big-endian signed integer (compact layout; NULL when shorter).
+func (s *Store) hashArg(h []byte) any {
+	if s.cfg.Layout != LayoutCompact {
+		return h
+	}
+	if len(h) < 4 {
+		return nil
+	}
+	return int32(binary.BigEndian.Uint32(h))
+}
+
+// hashScanner scans the stored payload hash into dst, as bytes (4 bytes in the compact layout).
+func (s *Store) scanHash(row pgx.Row, dst *[]byte) error {
+	if s.cfg.Layout != LayoutCompact {
+		return row.Scan(dst)
+	}
+	var v *int32
+	if err := row.Scan(&v); err != nil || v == nil {
+		return err
+	}
+	*dst = binary.BigEndian.AppendUint32(nil, uint32(*v))
+	return nil
+}
+
+// keyArgs returns the parameters $1, $2 (and $3, the period, when partitioned) of the key
+// statements.
+func (s *Store) keyArgs(k inbox.Key, period time.Time) []any {
+	if s.cfg.Partitioning == nil {
+		return []any{k.MessageID, k.ConsumerName}
+	}
+	return []any{k.MessageID, k.ConsumerName, period}
+}
+
+// claimArgs returns the parameters of claimSQL.
+func (s *Store) claimArgs(p inbox.ClaimParams, period time.Time) []any {
+	k := p.Key
+	var args []any
+	if s.cfg.Layout == LayoutCompact {
+		args = []any{k.MessageID, k.ConsumerName, s.hashArg(p.PayloadHash)}
+	} else {
+		args = []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
+	}
+	if s.cfg.Partitioning != nil {
+		args = append(args, period)
+	}
+	return args
+}
+
+// wrapNoPartition wraps a claim error that is PostgreSQL's "no partition of relation ...
+// found for row" (SQLSTATE 23514 on a table that has no check constraint) with
+// ErrNoPartition.
+func (s *Store) wrapNoPartition(err error, period time.Time) error {
+	var pgErr *pgconn.PgError
+	if s.cfg.Partitioning != nil && errors.As(err, &pgErr) && pgErr.Code == "23514" {
+		return fmt.Errorf("%w: period %s of %s (create it: PartitionManager or `watermill-inbox partitions ensure`): %w",
+			ErrNoPartition, period.Format(time.RFC3339), s.table, err)
+	}
+	return err
+}
+
+// registerConsumer makes sure name has a row in the consumers table (compact layout), once
+// per store and name. It takes an identity value only when the name is missing, so restarts
+// do not use up the 32,767 smallint values.
+func (s *Store) registerConsumer(ctx context.Context, name string) error {
+	if s.cfg.Layout != LayoutCompact {
+		return nil
+	}
+	if _, ok := s.registered.Load(name); ok {
+		return nil
+	}
+	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.consumers+" (consumer_name) SELECT $1::text"+
+		" WHERE NOT EXISTS (SELECT 1 FROM "+s.consumers+" WHERE consumer_name = $1::text) ON CONFLICT (consumer_name) DO NOTHING", name)
+	if err != nil {
+		return fmt.Errorf("register consumer name: %w", err)
+	}
+	s.registered.Store(name, true)
+	return nil
+}

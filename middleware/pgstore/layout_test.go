@@ -1,0 +1,627 @@
+package pgstore_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+)
+
+// uuid7 returns a canonical lowercase UUIDv7 whose timestamp is at (milliseconds) and whose
+// other bits are derived from name, so the same name and time give the same ID.
+func uuid7(name string, at time.Time) string {
+	var b [16]byte
+	sum := sha256.Sum256([]byte(name))
+	copy(b[:], sum[:16])
+	ms := uint64(at.UnixMilli())
+	binary.BigEndian.PutUint16(b[4:6], uint16(ms))
+	binary.BigEndian.PutUint32(b[0:4], uint32(ms>>16))
+	b[6] = 0x70 | b[6]&0x0f
+	b[8] = 0x80 | b[8]&0x3f
+	h := hex.EncodeToString(b[:])
+	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
+}
+
+// layoutStore returns a migrated store of cfg in a fresh schema.
+func layoutStore(t *testing.T, conns int32, cfg pgstore.Config) (*pgstore.Store, *testenv.Schema) {
+	t.Helper()
+	sch := testenv.NewSchema(t, conns)
+	cfg.Schema = sch.Name
+	s, err := pgstore.New(sch.Pool, cfg)
+	if err != nil {
+		t.Fatalf("pgstore.New(%+v): %v", cfg, err)
+	}
+	if _, err := s.Migrate(context.Background()); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	return s, sch
+}
+
+// uuidKeys runs a store under the conformance suite, whose keys are names ("m-1"): it maps
+// every name to a UUIDv7 at a fixed time and sets that time as the producer time, the way
+// the inbox would for messages with UUIDv7 IDs.
+type uuidKeys struct {
+	*pgstore.Store
+	at time.Time
+}
+
+func (u uuidKeys) key(k inbox.Key) inbox.Key {
+	k.MessageID = uuid7(k.MessageID, u.at)
+	return k
+}
+
+func (u uuidKeys) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
+	p.Key, p.ProducerTime = u.key(p.Key), u.at
+	return u.Store.Claim(ctx, p)
+}
+
+func (u uuidKeys) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
+	p.Key, p.ProducerTime = u.key(p.Key), u.at
+	return u.Store.ClaimCounted(ctx, p)
+}
+
+func (u uuidKeys) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int, error) {
+	p.Key = u.key(p.Key)
+	return u.Store.AdjustAttempts(ctx, p)
+}
+
+func (u uuidKeys) MarkDeadLettered(ctx context.Context, p inbox.AttemptParams) error {
+	p.Key = u.key(p.Key)
+	return u.Store.MarkDeadLettered(ctx, p)
+}
+
+func (u uuidKeys) Replay(ctx context.Context, p inbox.AttemptParams) (bool, error) {
+	p.Key = u.key(p.Key)
+	return u.Store.Replay(ctx, p)
+}
+
+// TestConformanceLayouts runs the storetest suite on every new layout and mode: the compact
+// layout, partitioned by the timestamp of UUIDv7 keys (text layout), and compact partitioned
+// by a producer time the claim carries.
+func TestConformanceLayouts(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  pgstore.Config
+	}{
+		{"Compact", pgstore.Config{Layout: pgstore.LayoutCompact}},
+		{"PartitionedFromKey", pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}}},
+		{"CompactPartitionedFromClaim", pgstore.Config{Layout: pgstore.LayoutCompact,
+			Partitioning: &pgstore.Partitioning{Interval: pgstore.PartitionHourly, ProducerTime: pgstore.ProducerTimeFromClaim}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			at := time.Now().Truncate(time.Millisecond)
+			storetest.Run(t, func(t *testing.T) inbox.Store {
+				s, _ := layoutStore(t, 8, tc.cfg)
+				return uuidKeys{Store: s, at: at}
+			})
+		})
+	}
+}
+
+// TestCompactRefusesOtherKeys: the compact layout claims only canonical lowercase UUIDs; any
+// other key is refused before anything is written, with ErrKeyNotUUID (and inbox.ErrInvalidKey),
+// and through the inbox it is an invalid key: the handler does not run.
+func TestCompactRefusesOtherKeys(t *testing.T) {
+	s, sch := layoutStore(t, 4, pgstore.Config{Layout: pgstore.LayoutCompact})
+	ctx := context.Background()
+	for _, id := range []string{"order-42", "A0EEBC99-9C0B-4EF8-BB6D-6BB9BD380A11", "{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}",
+		"a0eebc999c0b4ef8bb6d6bb9bd380a11", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a1", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a1g"} {
+		tx, _, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "c"}})
+		if tx != nil || !errors.Is(err, pgstore.ErrKeyNotUUID) || !errors.Is(err, inbox.ErrInvalidKey) {
+			t.Fatalf("Claim(%q) on the compact layout: tx %v, err %v; want ErrKeyNotUUID", id, tx, err)
+		}
+	}
+	ib, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", InvalidKeyBrake: inbox.InvalidKeyBrake{Disabled: true}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil })
+	msg := message.NewMessage("not-a-uuid", []byte("{}"))
+	msg.SetContext(ctx)
+	if _, err := h(msg); !errors.Is(err, inbox.ErrInvalidKey) || !inbox.IsPermanent(err) || !strings.Contains(err.Error(), "uuid") {
+		t.Fatalf("inbox on a compact store, key not a UUID: %v; want a permanent invalid-key error naming the uuid type", err)
+	}
+	good := message.NewMessage(uuid7("good", time.Now()), []byte("{}"))
+	good.SetContext(ctx)
+	if _, err := h(good); err != nil {
+		t.Fatalf("UUID key: %v", err)
+	}
+	var rows int
+	if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()).Scan(&rows); err != nil || rows != 1 || ran != 1 {
+		t.Fatalf("rows %d (err %v), handler runs %d; want only the UUID message, once", rows, err, ran)
+	}
+	// The consumer name is stored once, as a smallint.
+	var names int
+	if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.ConsumersTable()+" WHERE consumer_name = 'billing'").Scan(&names); err != nil || names != 1 {
+		t.Fatalf("consumers table: %d rows for billing, err %v", names, err)
+	}
+}
+
+// TestPartitionedModeNeedsAProducerTime: without a producer-time source New refuses the
+// store, naming both options; an inbox on a store that takes the time from the claim refuses
+// a Config without ProducerTime; a message without one is an invalid key.
+func TestPartitionedModeNeedsAProducerTime(t *testing.T) {
+	sch := testenv.NewSchema(t, 2)
+	_, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, Partitioning: &pgstore.Partitioning{}})
+	if !errors.Is(err, pgstore.ErrNoProducerTime) || !errors.Is(err, inbox.ErrInvalidConfig) ||
+		!strings.Contains(err.Error(), "ProducerTimeFromKey") || !strings.Contains(err.Error(), "ProducerTimeFromClaim") {
+		t.Fatalf("New, partitioned without a producer time: %v", err)
+	}
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromClaim}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := inbox.New(inbox.Config{Store: s, ConsumerName: "c"}, nil); !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "ProducerTime") {
+		t.Fatalf("inbox.New without ProducerTime on a store partitioned by claim time: %v", err)
+	}
+	if err := s.CheckClaim(inbox.ClaimParams{Key: inbox.Key{MessageID: "m", ConsumerName: "c"}}); !errors.Is(err, pgstore.ErrNoProducerTime) {
+		t.Fatalf("CheckClaim without a producer time: %v", err)
+	}
+	// Through the inbox: a message without a producer time, or with an unreadable one, is an
+	// invalid key; the handler does not run and nothing is written.
+	if _, err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: s, ConsumerName: "c", InvalidKeyBrake: inbox.InvalidKeyBrake{Disabled: true},
+		ProducerTime: func(m *message.Message) (time.Time, bool, error) {
+			switch v := m.Metadata.Get("produced_at"); v {
+			case "":
+				return time.Time{}, false, nil
+			case "garbage":
+				return time.Time{}, false, errors.New("not a time")
+			default:
+				ts, err := time.Parse(time.RFC3339Nano, v)
+				return ts, err == nil, err
+			}
+		}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil })
+	for _, v := range []string{"", "garbage"} {
+		msg := message.NewMessage(uuid7("m-"+v, time.Now()), []byte("{}"))
+		msg.Metadata.Set("produced_at", v)
+		msg.SetContext(context.Background())
+		if _, err := h(msg); !errors.Is(err, inbox.ErrInvalidKey) || !inbox.IsPermanent(err) {
+			t.Fatalf("produced_at %q: %v; want a permanent invalid-key error", v, err)
+		}
+	}
+	var rows int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.Table()).Scan(&rows); err != nil || rows != 0 || ran != 0 {
+		t.Fatalf("rows %d (err %v), handler runs %d; want none", rows, err, ran)
+	}
+	k, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v4 := "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+	if err := k.CheckClaim(inbox.ClaimParams{Key: inbox.Key{MessageID: v4, ConsumerName: "c"}}); !errors.Is(err, pgstore.ErrKeyNotUUIDv7) {
+		t.Fatalf("CheckClaim of a UUIDv4 on a store partitioned by key time: %v", err)
+	}
+}
+
+// partitionOf returns the partition holding the claim of id, or "" when there is none.
+func partitionOf(t *testing.T, sch *testenv.Schema, s *pgstore.Store, id string) string {
+	t.Helper()
+	var name string
+	err := sch.Pool.QueryRow(context.Background(), "SELECT tableoid::regclass::text FROM "+s.Table()+" WHERE message_id = $1", id).Scan(&name)
+	if err != nil && !strings.Contains(err.Error(), "no rows") {
+		t.Fatal(err)
+	}
+	return name
+}
+
+// TestPartitionRollover drives the producer time across an hourly partition boundary: a
+// message produced 1 ms before the boundary is processed, then redelivered (the wall clock
+// has moved on; its producer time has not): it is a duplicate, the handler ran once and its
+// claim sits in the partition before the boundary. A message produced at the boundary lands
+// in the next partition. Both producer-time sources.
+func TestPartitionRollover(t *testing.T) {
+	for _, src := range []pgstore.ProducerTimeSource{pgstore.ProducerTimeFromKey, pgstore.ProducerTimeFromClaim} {
+		t.Run(map[pgstore.ProducerTimeSource]string{pgstore.ProducerTimeFromKey: "FromKey", pgstore.ProducerTimeFromClaim: "FromMetadata"}[src], func(t *testing.T) {
+			s, sch := layoutStore(t, 4, pgstore.Config{Layout: pgstore.LayoutCompact,
+				Partitioning: &pgstore.Partitioning{Interval: pgstore.PartitionHourly, ProducerTime: src}})
+			ctx := context.Background()
+			boundary := pgstore.PeriodOf(time.Now(), pgstore.PartitionHourly).Add(5 * time.Hour)
+			if _, err := s.EnsurePartitions(ctx, boundary.Add(-time.Hour), boundary); err != nil {
+				t.Fatal(err)
+			}
+			sch.CreateAccounts(t, 1)
+			cfg := inbox.Config{Store: s, ConsumerName: "billing"}
+			if src == pgstore.ProducerTimeFromClaim {
+				cfg.ProducerTime = func(m *message.Message) (time.Time, bool, error) {
+					v := m.Metadata.Get("produced_at")
+					if v == "" {
+						return time.Time{}, false, nil
+					}
+					ts, err := time.Parse(time.RFC3339Nano, v)
+					return ts, err == nil, err
+				}
+			}
+			ib, err := inbox.New(cfg, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
+				tx, _ := pgstore.TxFromContext(m.Context())
+				_, err := tx.Exec(m.Context(), "UPDATE accounts SET balance = balance + 100 WHERE id = 1")
+				return nil, err
+			})
+			deliver := func(id string, produced time.Time) {
+				t.Helper()
+				msg := message.NewMessage(id, []byte(`{"amount":100}`))
+				msg.Metadata.Set("produced_at", produced.Format(time.RFC3339Nano))
+				msg.SetContext(ctx)
+				if _, err := h(msg); err != nil {
+					t.Fatalf("deliver %s: %v", id, err)
+				}
+			}
+			before, after := boundary.Add(-time.Millisecond), boundary
+			first := uuid7("first", before)
+			deliver(first, before) // first delivery, just before the boundary
+			deliver(first, before) // the redelivery: "now" is later, the producer time the same
+			deliver(first, before)
+			second := uuid7("second", after)
+			deliver(second, after)
+			var balance int64
+			if err := sch.Pool.QueryRow(ctx, "SELECT balance FROM accounts WHERE id = 1").Scan(&balance); err != nil || balance != 200 {
+				t.Fatalf("balance %d (err %v); want 200: two messages, each applied once", balance, err)
+			}
+			st := ib.Stats()
+			if st.Processed != 2 || st.Duplicates != 2 {
+				t.Fatalf("stats %+v; want 2 processed, 2 duplicates", st)
+			}
+			table := strings.Trim(strings.Split(s.Table(), ".")[1], `"`)
+			if p := partitionOf(t, sch, s, first); p != table+"_p"+before.UTC().Format("2006010215") {
+				t.Fatalf("first message in partition %q; want the hour before the boundary", p)
+			}
+			if p := partitionOf(t, sch, s, second); p != table+"_p"+after.UTC().Format("2006010215") {
+				t.Fatalf("second message in partition %q; want the hour after the boundary", p)
+			}
+		})
+	}
+}
+
+// TestConcurrentDuplicateAcrossBoundary: two copies of a message produced 1 ms before a
+// partition boundary are claimed at once while a message produced at the boundary claims in
+// the next partition: exactly one copy claims, the other waits for it and then sees a
+// duplicate; the other partition is not blocked.
+func TestConcurrentDuplicateAcrossBoundary(t *testing.T) {
+	s, sch := layoutStore(t, 6, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	ctx := context.Background()
+	boundary := pgstore.PeriodOf(time.Now(), pgstore.PartitionDaily).Add(24 * time.Hour)
+	sch.CreateAccounts(t, 1)
+	k := uuid7("copy", boundary.Add(-time.Millisecond))
+	p := inbox.ClaimParams{Key: inbox.Key{MessageID: k, ConsumerName: "billing"}}
+	first, res, err := s.Claim(ctx, p)
+	if err != nil || !res.Claimed {
+		t.Fatalf("first claim: %+v, %v", res, err)
+	}
+	tx, _ := pgstore.PgxTx(first)
+	if _, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance + 100 WHERE id = 1"); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		claimed bool
+		err     error
+	}
+	second := make(chan result, 1)
+	go func() {
+		tx, res, err := s.Claim(ctx, p)
+		if tx != nil {
+			_ = tx.Rollback(ctx)
+		}
+		second <- result{res.Claimed, err}
+	}()
+	// Across the boundary: not blocked by the open claim.
+	other, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("other", boundary), ConsumerName: "billing"}})
+	if err != nil || !res.Claimed {
+		t.Fatalf("claim after the boundary: %+v, %v", res, err)
+	}
+	if err := other.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-second:
+		t.Fatalf("the concurrent copy did not wait for the first claim: %+v", r)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if err := first.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-second
+	if r.err != nil || r.claimed {
+		t.Fatalf("concurrent copy: claimed %v, err %v; want a duplicate", r.claimed, r.err)
+	}
+	var balance int64
+	var rows int
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT balance FROM accounts WHERE id = 1), (SELECT count(*) FROM "+s.Table()+")").Scan(&balance, &rows); err != nil {
+		t.Fatal(err)
+	}
+	if balance != 100 || rows != 2 {
+		t.Fatalf("balance %d, inbox rows %d; want 100 (one effect) and 2 rows", balance, rows)
+	}
+}
+
+// TestMissingPartitionIsAClearError: a claim whose producer time has no partition fails with
+// ErrNoPartition and leaves nothing behind; after EnsurePartitions the same claim succeeds.
+func TestMissingPartitionIsAClearError(t *testing.T) {
+	s, sch := layoutStore(t, 4, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	ctx := context.Background()
+	far := time.Now().Add(30 * 24 * time.Hour)
+	p := inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("far", far), ConsumerName: "c"}}
+	for _, claim := range []func() (inbox.Tx, error){
+		func() (inbox.Tx, error) { tx, _, err := s.Claim(ctx, p); return tx, err },
+		func() (inbox.Tx, error) {
+			tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: true})
+			if tx == nil {
+				return nil, err
+			}
+			return tx, err
+		},
+	} {
+		tx, err := claim()
+		if tx != nil || !errors.Is(err, pgstore.ErrNoPartition) || !strings.Contains(err.Error(), "partitions ensure") {
+			t.Fatalf("claim without a partition: tx %v, err %v; want ErrNoPartition", tx, err)
+		}
+	}
+	var rows, attempts int
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &attempts); err != nil || rows+attempts != 0 {
+		t.Fatalf("after failed claims: %d rows, %d attempt records (err %v); want none", rows, attempts, err)
+	}
+	if _, err := s.EnsurePartitions(ctx, far, far); err != nil {
+		t.Fatal(err)
+	}
+	tx, res, err := s.Claim(ctx, p)
+	if err != nil || !res.Claimed {
+		t.Fatalf("claim after EnsurePartitions: %+v, %v", res, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestPartitionManager: RunOnce creates partitions from now minus the retention window to
+// now plus the lead, and, once the clock has moved past the window, detaches and drops the
+// expired ones with their rows while recent rows stay; Run and Close stop cleanly.
+func TestPartitionManager(t *testing.T) {
+	s, sch := layoutStore(t, 4, pgstore.Config{Layout: pgstore.LayoutCompact,
+		Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	ctx := context.Background()
+	now := time.Now()
+	clock := now
+	m, err := pgstore.NewPartitionManager(s, pgstore.PartitionManagerConfig{Retention: 3 * 24 * time.Hour, Lead: 48 * time.Hour,
+		Now: func() time.Time { return clock }}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.RunOnce(ctx); err != nil {
+		t.Fatal(err)
+	}
+	parts, err := s.Partitions(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first, last := parts[0].From, parts[len(parts)-1].From; len(parts) != 6 ||
+		!first.Equal(pgstore.PeriodOf(now.Add(-72*time.Hour), pgstore.PartitionDaily)) || !last.Equal(pgstore.PeriodOf(now.Add(48*time.Hour), pgstore.PartitionDaily)) {
+		t.Fatalf("partitions after the first round: %+v; want the days from now-3d to now+2d", parts)
+	}
+	claim := func(name string, at time.Time) {
+		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}})
+		if err != nil || !res.Claimed {
+			t.Fatalf("claim %s: %+v %v", name, res, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	claim("old", now.Add(-72*time.Hour))
+	claim("recent", now.Add(47*time.Hour)) // two days old four days from now
+	// Four days later, the partition of the old message ended more than 3 days ago.
+	clock = now.Add(4 * 24 * time.Hour)
+	r, err := m.RunOnce(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldPart := strings.Trim(strings.Split(s.Table(), ".")[1], `"`) + "_p" + now.Add(-72*time.Hour).UTC().Format("20060102")
+	if len(r.Dropped) == 0 || r.Dropped[0] != oldPart || len(r.Created) == 0 {
+		t.Fatalf("round four days later: %+v; want %s dropped first and new partitions ahead", r, oldPart)
+	}
+	var rows int
+	var oldLeft bool
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), to_regclass($1) IS NOT NULL", sch.Name+"."+oldPart).Scan(&rows, &oldLeft); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 1 || oldLeft {
+		t.Fatalf("after the drop: %d rows (want the recent 1), old partition still there: %v", rows, oldLeft)
+	}
+	// Run and Close.
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	var runErr error
+	wg.Go(func() { runErr = m.Run(rctx) })
+	time.Sleep(100 * time.Millisecond)
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	if runErr != nil {
+		t.Fatalf("Run: %v", runErr)
+	}
+	if _, err := pgstore.NewPartitionManager(s, pgstore.PartitionManagerConfig{}, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("NewPartitionManager without Retention: %v", err)
+	}
+}
+
+// TestMigrateRefusesAnotherLayout: a compact or partitioned store on an existing text-layout
+// table is refused, naming the conversion, and the table is left as it was.
+func TestMigrateRefusesAnotherLayout(t *testing.T) {
+	sch := testenv.NewSchema(t, 2)
+	text := sch.Store(t)
+	for _, cfg := range []pgstore.Config{
+		{Schema: sch.Name, Layout: pgstore.LayoutCompact},
+		{Schema: sch.Name, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+	} {
+		s, err := pgstore.New(sch.Pool, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Migrate(context.Background()); !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "LayoutMigrationSQL") {
+			t.Fatalf("Migrate %+v over a text table: %v", cfg, err)
+		}
+	}
+	tx, res, err := text.Claim(context.Background(), inbox.ClaimParams{Key: inbox.Key{MessageID: "order-1", ConsumerName: "c"}})
+	if err != nil || !res.Claimed {
+		t.Fatalf("the text table still claims text keys: %+v %v", res, err)
+	}
+	_ = tx.Commit(context.Background())
+}
+
+// TestLayoutMigrationSQL converts a text-layout table holding processed messages into each
+// new layout and mode: every row is there afterwards (duplicates of the old messages are
+// still caught, with their payload hashes), the table claims new messages, and a table with
+// a key the new layout cannot hold is refused with nothing changed.
+func TestLayoutMigrationSQL(t *testing.T) {
+	ctx := context.Background()
+	for _, to := range []pgstore.Config{
+		{Layout: pgstore.LayoutCompact},
+		{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{Interval: pgstore.PartitionHourly, ProducerTime: pgstore.ProducerTimeFromKey}},
+		{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+	} {
+		sch := testenv.NewSchema(t, 2)
+		text := sch.Store(t)
+		to.Schema = sch.Name
+		ids := []string{uuid7("a", time.Now().Add(-50*time.Hour)), uuid7("b", time.Now()), uuid7("c", time.Now().Add(-2*time.Hour))}
+		hash := sha256.Sum256([]byte("payload"))
+		for _, id := range ids {
+			tx, _, err := text.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = tx.Commit(ctx)
+		}
+		script, err := pgstore.LayoutMigrationSQL(pgstore.Config{Schema: sch.Name}, to)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := sch.Pool.Exec(ctx, script); err != nil {
+			t.Fatalf("conversion to %+v: %v\n%s", to, err, script)
+		}
+		s, err := pgstore.New(sch.Pool, to)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Migrate(ctx); err != nil {
+			t.Fatalf("Migrate after the conversion: %v", err)
+		}
+		for _, id := range ids {
+			tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
+			if err != nil || res.Claimed || tx != nil || !strings.HasPrefix(string(hash[:]), string(res.StoredPayloadHash)) || len(res.StoredPayloadHash) < 4 {
+				t.Fatalf("converted %+v: claim of an old message: %+v, %v; want a duplicate with its hash", to, res, err)
+			}
+		}
+		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("new", time.Now()), ConsumerName: "billing"}})
+		if err != nil || !res.Claimed {
+			t.Fatalf("converted %+v: new claim: %+v %v", to, res, err)
+		}
+		_ = tx.Commit(ctx)
+		var n int
+		if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()).Scan(&n); err != nil || n != 4 {
+			t.Fatalf("converted %+v: %d rows, err %v; want 4", to, n, err)
+		}
+	}
+	// A key the compact layout cannot hold: refused, nothing changed.
+	sch := testenv.NewSchema(t, 2)
+	text := sch.Store(t)
+	tx, _, err := text.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "order-7", ConsumerName: "billing"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = tx.Commit(ctx)
+	script, err := pgstore.LayoutMigrationSQL(pgstore.Config{Schema: sch.Name}, pgstore.Config{Schema: sch.Name, Layout: pgstore.LayoutCompact})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sch.Pool.Exec(ctx, script); err == nil || !strings.Contains(err.Error(), "not a canonical lowercase UUID") {
+		t.Fatalf("conversion of a table with a text key: %v", err)
+	}
+	_, _ = sch.Pool.Exec(ctx, "ROLLBACK")
+	var n int
+	if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+text.Table()+" WHERE message_id = 'order-7'").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("after the refused conversion: %d rows, err %v", n, err)
+	}
+	if _, err := pgstore.LayoutMigrationSQL(pgstore.Config{}, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromClaim}}); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("conversion to ProducerTimeFromClaim: %v", err)
+	}
+}
+
+// TestPartitionMaintenanceDoesNotBlockClaims: with an inbox transaction open (a slow
+// handler), creating a partition completes without waiting for it, and while a drop waits for
+// that transaction (DETACH ... CONCURRENTLY waits for transactions that may see the partition),
+// new claims still go through at once; the drop completes after the slow one commits.
+func TestPartitionMaintenanceDoesNotBlockClaims(t *testing.T) {
+	s, sch := layoutStore(t, 6, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	ctx := context.Background()
+	today := pgstore.PeriodOf(time.Now(), pgstore.PartitionDaily)
+	old := today.Add(-5 * 24 * time.Hour)
+	if _, err := s.EnsurePartitions(ctx, old, old); err != nil {
+		t.Fatal(err)
+	}
+	claim := func(name string, at time.Time) inbox.Tx {
+		t.Helper()
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		tx, res, err := s.Claim(cctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}})
+		if err != nil || !res.Claimed {
+			t.Fatalf("claim %s while maintenance runs: %+v %v", name, res, err)
+		}
+		return tx
+	}
+	slow := claim("slow", today)
+	ectx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	created, err := s.EnsurePartitions(ectx, today.Add(10*24*time.Hour), today.Add(10*24*time.Hour))
+	cancel()
+	if err != nil || len(created) != 1 {
+		t.Fatalf("EnsurePartitions with an inbox transaction open: %v %v; want it created without waiting", created, err)
+	}
+	dropped := make(chan error, 1)
+	go func() {
+		_, err := s.DropPartitions(ctx, old.Add(24*time.Hour))
+		dropped <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	if err := claim("during-drop", today).Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := slow.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-dropped:
+		if err != nil {
+			t.Fatalf("DropPartitions: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("DropPartitions did not finish after the open transaction committed")
+	}
+	var rows int
+	var gone bool
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), to_regclass($1) IS NULL", sch.Name+".inbox_processed_messages_p"+old.Format("20060102")).Scan(&rows, &gone); err != nil || rows != 2 || !gone {
+		t.Fatalf("after: %d rows (want 2), old partition gone %v, err %v", rows, gone, err)
+	}
+}
