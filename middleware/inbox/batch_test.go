@@ -24,7 +24,9 @@ var batchModes = []inbox.BatchMode{inbox.BatchOptimistic, inbox.BatchSavepoints}
 // withBatch turns the batched mode on with a linger long enough for a test's concurrent
 // deliveries to meet in one batch.
 func withBatch(size int, mode inbox.BatchMode) func(*inbox.Config) {
-	return func(c *inbox.Config) { c.Batch = inbox.BatchConfig{Size: size, Linger: 100 * time.Millisecond, Mode: mode} }
+	return func(c *inbox.Config) {
+		c.Batch = inbox.BatchConfig{Size: size, Linger: 100 * time.Millisecond, Mode: mode}
+	}
 }
 
 // deliverAll delivers msgs at the same moment, one goroutine each, and returns each
