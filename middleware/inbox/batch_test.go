@@ -25,7 +25,7 @@ var batchModes = []inbox.BatchMode{inbox.BatchOptimistic, inbox.BatchSavepoints}
 // deliveries to meet in one batch.
 func withBatch(size int, mode inbox.BatchMode) func(*inbox.Config) {
 	return func(c *inbox.Config) {
-		c.Batch = inbox.BatchConfig{Size: size, Linger: 100 * time.Millisecond, Mode: mode}
+		c.Batch = inbox.BatchConfig{Size: size, Linger: 500 * time.Millisecond, Mode: mode}
 	}
 }
 
