@@ -154,77 +154,90 @@ func TestBatchedSharesOneTransaction(t *testing.T) {
 // run once; optimistically the members that ran before the failure run again, alone. The
 // poison message then fails in two more batches and is dead-lettered after exactly
 // MaxAttempts handler runs.
+//
+// It runs with no redelivery signal (every member counted before its handler, as on Kafka) and
+// with a signal that calls every delivery a first one (counted only when it fails, as a first
+// delivery on RabbitMQ).
 func TestBatchedFailingMember(t *testing.T) {
+	signals := map[string]inbox.RedeliveryFunc{
+		"unknown": nil,
+		"first":   func(*message.Message) inbox.Redelivery { return inbox.FirstDelivery },
+	}
 	for _, mode := range batchModes {
-		t.Run(mode.String(), func(t *testing.T) {
-			e := newEnv(t, 6)
-			dl := &memPublisher{}
-			rec := &recorder{}
-			ib := e.inbox("billing", withBatch(6, mode), func(c *inbox.Config) {
-				c.DeadLetterPublisher, c.DeadLetterTopic, c.MaxAttempts, c.Observer = dl, "dead", 3, rec
-			})
-			txs := &txRecorder{}
-			h := ib.Middleware(txs.wrap(func(msg *message.Message) ([]*message.Message, error) {
-				if strings.HasPrefix(msg.UUID, "z-poison") {
-					return nil, errors.New("account frozen")
-				}
-				return e.credit(msg)
-			}))
-			wave := func(prefix string) []*message.Message {
-				var ms []*message.Message
-				for k := range 5 {
-					ms = append(ms, paymentMsg(fmt.Sprintf("%s-%d", prefix, k), 1, 1))
-				}
-				return append(ms, paymentMsg("z-poison", 1, 1000)) // sorts last in its batch
+		for signal, redelivery := range signals {
+			t.Run(mode.String()+"/"+signal, func(t *testing.T) { testBatchedFailingMember(t, mode, redelivery) })
+		}
+	}
+}
+
+func testBatchedFailingMember(t *testing.T, mode inbox.BatchMode, redelivery inbox.RedeliveryFunc) {
+	e := newEnv(t, 6)
+	dl := &memPublisher{}
+	rec := &recorder{}
+	ib := e.inbox("billing", withBatch(6, mode), func(c *inbox.Config) {
+		c.DeadLetterPublisher, c.DeadLetterTopic, c.MaxAttempts, c.Observer = dl, "dead", 3, rec
+		c.Redelivery = redelivery
+	})
+	txs := &txRecorder{}
+	h := ib.Middleware(txs.wrap(func(msg *message.Message) ([]*message.Message, error) {
+		if strings.HasPrefix(msg.UUID, "z-poison") {
+			return nil, errors.New("account frozen")
+		}
+		return e.credit(msg)
+	}))
+	wave := func(prefix string) []*message.Message {
+		var ms []*message.Message
+		for k := range 5 {
+			ms = append(ms, paymentMsg(fmt.Sprintf("%s-%d", prefix, k), 1, 1))
+		}
+		return append(ms, paymentMsg("z-poison", 1, 1000)) // sorts last in its batch
+	}
+	for w, prefix := range []string{"a", "b", "c"} {
+		errs := deliverAll(h, wave(prefix)...)
+		for k, err := range errs[:5] {
+			if err != nil {
+				t.Fatalf("wave %d: healthy delivery %d failed: %v", w, k, err)
 			}
-			for w, prefix := range []string{"a", "b", "c"} {
-				errs := deliverAll(h, wave(prefix)...)
-				for k, err := range errs[:5] {
-					if err != nil {
-						t.Fatalf("wave %d: healthy delivery %d failed: %v", w, k, err)
-					}
-				}
-				poisonErr := errs[5]
-				attempts := queryAttempts(t, e, "z-poison")
-				if w < 2 {
-					if poisonErr == nil || !strings.Contains(poisonErr.Error(), "account frozen") {
-						t.Fatalf("wave %d: the failing delivery returned %v, want its error (nack)", w, poisonErr)
-					}
-					if attempts != w+1 {
-						t.Fatalf("wave %d: attempts of the failing message %d, want %d", w, attempts, w+1)
-					}
-				} else if poisonErr != nil {
-					t.Fatalf("wave %d: the dead-lettered delivery returned %v, want nil (ack)", w, poisonErr)
-				}
-				if got, want := e.balance(1), int64(5*(w+1)); got != want {
-					t.Fatalf("wave %d: balance %d, want %d (each healthy payment once, the poison never)", w, got, want)
-				}
+		}
+		poisonErr := errs[5]
+		attempts := queryAttempts(t, e, "z-poison")
+		if w < 2 {
+			if poisonErr == nil || !strings.Contains(poisonErr.Error(), "account frozen") {
+				t.Fatalf("wave %d: the failing delivery returned %v, want its error (nack)", w, poisonErr)
 			}
-			if n := txs.runs("z-poison"); n != 3 {
-				t.Fatalf("handler runs of the poison message %d, want 3 (MaxAttempts)", n)
+			if attempts != w+1 {
+				t.Fatalf("wave %d: attempts of the failing message %d, want %d", w, attempts, w+1)
 			}
-			if len(dl.msgs) != 1 || dl.msgs[0].UUID != "z-poison" {
-				t.Fatalf("dead letters %d, want 1 (z-poison)", len(dl.msgs))
-			}
-			if n := e.rows(""); n != 15 {
-				t.Fatalf("inbox rows %d, want 15 (the healthy payments)", n)
-			}
-			wantRuns := 1
-			if mode == inbox.BatchOptimistic {
-				wantRuns = 2 // in the rolled-back batch, then alone
-			}
-			for _, id := range []string{"a-0", "b-4", "c-2"} {
-				if n := txs.runs(id); n != wantRuns {
-					t.Fatalf("handler runs of %s: %d, want %d", id, n, wantRuns)
-				}
-			}
-			if st := ib.Stats(); st.Processed != 15 || st.DeadLettered != 1 || st.Failed != 2 {
-				t.Fatalf("stats %+v, want 15 processed, 2 failed, 1 dead-lettered", st)
-			}
-			if n := len(rec.outcomes()); n != 18 {
-				t.Fatalf("%d outcomes observed, want 18 (one per delivery)", n)
-			}
-		})
+		} else if poisonErr != nil {
+			t.Fatalf("wave %d: the dead-lettered delivery returned %v, want nil (ack)", w, poisonErr)
+		}
+		if got, want := e.balance(1), int64(5*(w+1)); got != want {
+			t.Fatalf("wave %d: balance %d, want %d (each healthy payment once, the poison never)", w, got, want)
+		}
+	}
+	if n := txs.runs("z-poison"); n != 3 {
+		t.Fatalf("handler runs of the poison message %d, want 3 (MaxAttempts)", n)
+	}
+	if len(dl.msgs) != 1 || dl.msgs[0].UUID != "z-poison" {
+		t.Fatalf("dead letters %d, want 1 (z-poison)", len(dl.msgs))
+	}
+	if n := e.rows(""); n != 15 {
+		t.Fatalf("inbox rows %d, want 15 (the healthy payments)", n)
+	}
+	wantRuns := 1
+	if mode == inbox.BatchOptimistic {
+		wantRuns = 2 // in the rolled-back batch, then alone
+	}
+	for _, id := range []string{"a-0", "b-4", "c-2"} {
+		if n := txs.runs(id); n != wantRuns {
+			t.Fatalf("handler runs of %s: %d, want %d", id, n, wantRuns)
+		}
+	}
+	if st := ib.Stats(); st.Processed != 15 || st.DeadLettered != 1 || st.Failed != 2 {
+		t.Fatalf("stats %+v, want 15 processed, 2 failed, 1 dead-lettered", st)
+	}
+	if n := len(rec.outcomes()); n != 18 {
+		t.Fatalf("%d outcomes observed, want 18 (one per delivery)", n)
 	}
 }
 
