@@ -5,6 +5,7 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -438,5 +439,45 @@ func TestBatchConfigValidated(t *testing.T) {
 	}
 	if _, err := inbox.New(inbox.Config{Store: noBatch, ConsumerName: "c", Batch: inbox.BatchConfig{Size: 1}}, nil); err != nil {
 		t.Errorf("Batch.Size 1 (off) on a store without batches: %v", err)
+	}
+}
+
+// TestBatchedSerializationFailureRetries: under SERIALIZABLE, two batches whose handlers read
+// both accounts and write one each (write skew) conflict; PostgreSQL fails one with 40001 (at a
+// statement or at COMMIT), and that batch runs again as a whole: every payment applied once,
+// nothing nacked.
+func TestBatchedSerializationFailureRetries(t *testing.T) {
+	for _, mode := range batchModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			e := newEnv(t, 6)
+			ib := e.inbox("billing", withBatch(2, mode), func(c *inbox.Config) { c.Isolation = sql.LevelSerializable })
+			h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := pgstore.TxFromContext(msg.Context())
+				var sum int64
+				if err := tx.QueryRow(msg.Context(), "SELECT coalesce(sum(balance), 0) FROM accounts WHERE id IN (8, 9)").Scan(&sum); err != nil {
+					return nil, err
+				}
+				time.Sleep(100 * time.Millisecond) // both batches read before either writes
+				return e.credit(msg)
+			})
+			var wg sync.WaitGroup
+			var errs [2][]error
+			wg.Go(func() { errs[0] = deliverAll(h, paymentMsg("s-a1", 8, 1), paymentMsg("s-a2", 8, 10)) })
+			wg.Go(func() { errs[1] = deliverAll(h, paymentMsg("s-b1", 9, 100), paymentMsg("s-b2", 9, 1000)) })
+			wg.Wait()
+			for _, es := range errs {
+				for _, err := range es {
+					if err != nil {
+						t.Fatalf("a delivery failed: %v", err)
+					}
+				}
+			}
+			if b8, b9 := e.balance(8), e.balance(9); b8 != 11 || b9 != 1100 {
+				t.Fatalf("balances %d and %d, want 11 and 1100", b8, b9)
+			}
+			if st := ib.Stats(); st.Processed != 4 || st.TxRetries < 2 {
+				t.Fatalf("stats %+v, want 4 processed and one batch's 2 members retried after 40001", st)
+			}
+		})
 	}
 }
