@@ -90,6 +90,13 @@ type Config struct {
 	Redis  *redis.Config `json:"-"`
 	source int           // sourceCode, sourceEnv or sourceJSON
 	path   string        // the JSON file, for sourceJSON
+
+	// Batch turns on group commit (inbox.BatchConfig) for every inbox NewInbox builds whose
+	// own Config.Batch is left zero: deliveries the broker hands out at once share one
+	// transaction. A batch is only as big as the broker's concurrency (docs/design.md,
+	// "Batched mode"). Set in code, or with INBOX_BATCH_SIZE and INBOX_BATCH_LINGER (a Go
+	// duration such as 2ms) through ConfigFromEnv. Default: off.
+	Batch inbox.BatchConfig `json:"-"`
 }
 
 // DefaultConsumerGroup names, after ConsumerGroupPrefix, the consumer group of
@@ -138,6 +145,9 @@ func ConfigFromEnv() (Config, error) {
 		}
 	}
 	if err := sqsFromEnv(&cfg); err != nil {
+		return cfg, err
+	}
+	if err := batchFromEnv(&cfg); err != nil {
 		return cfg, err
 	}
 	cfg.setDefaults()
@@ -273,6 +283,7 @@ type Router struct {
 	Broker *adapters.Broker
 
 	prefix string
+	batch  inbox.BatchConfig // Config.Batch
 	mu     sync.Mutex
 	subs   map[string]message.Subscriber // consumer group -> its subscriber
 	names  map[string]int                // consumer name -> handlers added for it
@@ -297,7 +308,7 @@ func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Route
 	}
 	r.AddMiddleware(wmmiddleware.CorrelationID, wmmiddleware.Recoverer)
 	return &Router{
-		Router: r, Broker: b, prefix: cfg.ConsumerGroupPrefix,
+		Router: r, Broker: b, prefix: cfg.ConsumerGroupPrefix, batch: cfg.Batch,
 		subs: map[string]message.Subscriber{}, names: map[string]int{}, topics: map[string]string{},
 	}, nil
 }
@@ -350,14 +361,17 @@ func (r *Router) subscriberFor(name, topic string) (message.Subscriber, string, 
 // NewInbox is inbox.New with what the router's broker knows filled in where cfg leaves it
 // unset: BrokerSideFields (refused as keys, stripped from dead letters) and Redelivery (the
 // broker's redelivery signal, which lets the inbox count first deliveries only after a
-// failure; see docs/adapters.md for what each broker's signal is worth). Errors are
-// inbox.New's.
+// failure; see docs/adapters.md for what each broker's signal is worth), and Config.Batch
+// (group commit) when cfg.Batch is zero. Errors are inbox.New's.
 func (r *Router) NewInbox(cfg inbox.Config, logger watermill.LoggerAdapter) (*inbox.Inbox, error) {
 	if cfg.BrokerSideFields == nil {
 		cfg.BrokerSideFields = r.Broker.BrokerSideFields
 	}
 	if cfg.Redelivery == nil {
 		cfg.Redelivery = r.Broker.Redelivery
+	}
+	if cfg.Batch == (inbox.BatchConfig{}) {
+		cfg.Batch = r.batch
 	}
 	return inbox.New(cfg, logger)
 }

@@ -368,6 +368,10 @@ func Child(t *testing.T, h Harness) {
 	if os.Getenv(envChild) != "1" {
 		return
 	}
+	if os.Getenv(envBatchChild) == "1" {
+		batchedChild(t, h) // RunBatchedCrashes's child
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
 	pool := inboxtest.NewPool(t, os.Getenv(envDB), 8)

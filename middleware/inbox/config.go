@@ -151,6 +151,11 @@ type Config struct {
 	// commit, dead letter) start and end, and injects trace context into dead letters and
 	// produced messages (see Tracer; middleware/inboxtrace implements it with OpenTelemetry).
 	Tracer Tracer
+
+	// Batch turns on group commit: deliveries in the inbox at the same moment share one
+	// transaction and one COMMIT (the Store must implement BatchStore). The zero value is off:
+	// one transaction per delivery. See BatchConfig and docs/design.md, "Batched mode".
+	Batch BatchConfig
 }
 
 func (c *Config) setDefaults() {
@@ -184,13 +189,16 @@ func (c *Config) setDefaults() {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
 	c.InvalidKeyBrake.setDefaults()
+	c.Batch.setDefaults()
 }
 
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
 // without a topic (or the reverse), a dead-letter topic on a Store that is not an
 // AttemptStore, MaxAttempts below 1, a Store that needs producer times (ClaimChecker) without
-// ProducerTime, or an unknown collision policy. New calls it after filling defaults.
+// ProducerTime, an unknown collision policy, or a Batch setting that is negative, above
+// MaxBatchSize, of an unknown Mode, or on a Store that is not a BatchStore. New calls it after
+// filling defaults.
 func (c Config) Validate() error {
 	if c.Store == nil {
 		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
@@ -225,6 +233,9 @@ func (c Config) Validate() error {
 	}
 	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
 		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)
+	}
+	if err := c.Batch.validate(c.Store); err != nil {
+		return err
 	}
 	return nil
 }

@@ -57,6 +57,7 @@ type Inbox struct {
 	attempts AttemptStore // set when a dead-letter topic is configured
 	logger   watermill.LoggerAdapter
 	keys     keyWindow // recent key validity, for the InvalidKeyBrake
+	batcher  *batcher  // set in the batched mode (Config.Batch)
 
 	invalidKeyBrakes atomic.Uint64
 
@@ -78,6 +79,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	i := &Inbox{cfg: cfg, logger: logger.With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
 	if cfg.DeadLetterPublisher != nil {
 		i.attempts = cfg.Store.(AttemptStore) // checked by Validate
+	}
+	if cfg.Batch.Size > 1 {
+		i.batcher = &batcher{store: cfg.Store.(BatchStore)} // checked by Validate
 	}
 	return i, nil
 }
@@ -131,7 +135,12 @@ func (i *Inbox) ConsumerName() string { return i.cfg.ConsumerName }
 // Middleware has the type of Watermill's message.HandlerMiddleware. It must be innermost:
 // package router wraps the handler with it directly; with a plain Watermill router add it
 // to the handler last (see docs/design.md, "Middleware order").
+//
+// With Config.Batch, concurrent deliveries share transactions (group commit): see BatchConfig.
 func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	if i.batcher != nil {
+		return i.batchMiddleware(h)
+	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		d := i.newDelivery(msg)
 		i.startDelivery(d)

@@ -251,3 +251,62 @@ type Outbox interface {
 	// context.
 	Store(ctx context.Context, tx Tx, topic string, msgs []*message.Message) error
 }
+
+// BatchClaimParams are the inputs of BatchStore.ClaimBatch.
+type BatchClaimParams struct {
+	// Claims are the batch's members: distinct keys of one consumer, in the order the store
+	// takes their locks and inserts their claims. The inbox sorts them by key, so two batches
+	// never wait on each other's keys in opposite orders.
+	Claims []CountedClaimParams
+	// Counted asks for AttemptStore semantics: every member's key is locked (as by
+	// ClaimCounted) until the batch ends, members with CountFirst are counted before the
+	// claim, and each result carries the key's attempt record. False: plain claims (Claim).
+	Counted bool
+	// Isolation is the batch transaction's isolation level (sql.LevelDefault: READ
+	// COMMITTED); stores refuse unsupported levels with an error wrapping ErrInvalidConfig.
+	Isolation sql.IsolationLevel
+	// FinishTimeout bounds what the store does detached from ctx (see ClaimParams).
+	FinishTimeout time.Duration
+}
+
+// BatchStore is the optional capability behind group commit (Config.Batch): one transaction
+// claims the keys of several concurrent deliveries and runs their handlers one after another,
+// and one COMMIT settles them all.
+type BatchStore interface {
+	Store
+	// ClaimBatch opens one transaction and, inside it, claims every key of p.Claims
+	// insert-first, as Claim (or ClaimCounted, with p.Counted) would, in one round trip
+	// where the database allows. It returns the open BatchTx and one result per member, in
+	// the order of p.Claims: Claimed members' claims are held by the transaction; a
+	// duplicate or a dead-lettered key is not claimed (its result says which, as Claim and
+	// ClaimCounted report them) and the transaction stays open for the others. On error no
+	// transaction is left open and counts made by the call are taken back.
+	ClaimBatch(ctx context.Context, p BatchClaimParams) (BatchTx, []CountedClaimResult, error)
+}
+
+// BatchTx is the open transaction of a batch. Its handlers run one at a time: a database
+// connection is not safe for concurrent use.
+//
+// Context carries the one native transaction every member's handler writes through
+// (pgstore.TxFromContext). Commit commits the claims of every member still in the batch and
+// their handlers' writes, deletes the attempt records of the counted members it processed,
+// and releases the keys' locks; its errors mean what Tx.Commit's mean, for every member.
+// Rollback rolls everything back and takes back the counts ClaimBatch made for members still
+// in the batch (none of them failed: a failure is recorded by Drop first).
+type BatchTx interface {
+	Tx
+	// Savepoint marks the point Drop rolls back to (releasing the previous savepoint): the
+	// savepoint design (BatchSavepoints) calls it before each member's handler.
+	Savepoint(ctx context.Context) error
+	// Drop takes member (an index into BatchClaimParams.Claims) out of the batch: its
+	// handler's writes since the last Savepoint and its claim are rolled back inside the
+	// transaction, and p is applied to its attempt record (with p's meaning in
+	// CountedTx.Fail) before the key's lock is released, so the next delivery of the message
+	// reads it. It returns the member's attempt count afterwards. In a transaction that
+	// Aborted without a savepoint, Drop only records p: the caller must roll the batch back.
+	Drop(ctx context.Context, member int, p FailParams) (attempts int, err error)
+	// Aborted reports whether a statement of the transaction failed since the last Savepoint
+	// (PostgreSQL: the transaction is in the failed state, SQLSTATE 25P02 for the next
+	// statement), so that a handler that swallowed a database error is seen at once.
+	Aborted() bool
+}

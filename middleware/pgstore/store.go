@@ -622,6 +622,9 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 // false for a transaction of another store. The outbox uses it to write in the inbox
 // transaction it is handed.
 func PgxTx(tx inbox.Tx) (pgx.Tx, bool) {
+	if b, ok := tx.(*batchTx); ok && b != nil {
+		return b.tx, true // a batch's (group commit)
+	}
 	t, ok := tx.(*claimTx)
 	if !ok || t == nil {
 		return nil, false

@@ -12,8 +12,8 @@
 //	}
 //
 // NewStore must return a store on empty, migrated storage for each call, and its pool must
-// allow at least 8 concurrent connections. Stores that implement inbox.AttemptStore or
-// inbox.Purger also run those capabilities' tests.
+// allow at least 8 concurrent connections. Stores that implement inbox.AttemptStore,
+// inbox.Purger or inbox.BatchStore also run those capabilities' tests.
 package storetest
 
 import (
@@ -87,6 +87,7 @@ func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 		}
 		testPurge(t, s)
 	})
+	runBatch(t, newStore)
 }
 
 func params(id string) inbox.ClaimParams {

@@ -1,0 +1,411 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+)
+
+var _ inbox.BatchStore = (*Store)(nil)
+
+// savepointName is the one savepoint name of a batch (BatchTx.Savepoint reuses it).
+const savepointName = "inbox_member"
+
+// batchSQL holds the statements of ClaimBatch, built from the store's quoted names. Keys
+// travel as arrays ($1: message IDs, in the batch's order; $2: the consumer name).
+type batchSQL struct {
+	lock, count, claim, claimCounted, records, hashes, clear, drop string
+}
+
+func (s *Store) batchSQL() batchSQL {
+	claim := "INSERT INTO " + s.table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
+		" SELECT u.m, $2::text, u.ty, u.c, u.h FROM unnest($1::text[], $3::text[], $4::text[], $5::bytea[]) AS u(m, ty, c, h)"
+	return batchSQL{
+		// Session-level locks on every key, taken in the array's order (unnest keeps it).
+		lock: "SELECT pg_advisory_lock(hashtextextended(k, 0)) FROM unnest($1::text[]) AS k",
+		count: "INSERT INTO " + s.attempts + " AS a (message_id, consumer_name)" +
+			" SELECT k, $2::text FROM unnest($1::text[]) AS k" +
+			" WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE message_id = k AND consumer_name = $2::text)" +
+			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
+			" WHERE a.dead_lettered_at IS NULL RETURNING message_id",
+		claim: claim + " ON CONFLICT (message_id, consumer_name) DO NOTHING RETURNING message_id",
+		claimCounted: claim + " WHERE NOT EXISTS (SELECT 1 FROM " + s.attempts +
+			" WHERE message_id = u.m AND consumer_name = $2::text AND dead_lettered_at IS NOT NULL)" +
+			" ON CONFLICT (message_id, consumer_name) DO NOTHING RETURNING message_id",
+		records: "SELECT message_id, attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + s.attempts +
+			" WHERE consumer_name = $2 AND message_id = ANY($1::text[])",
+		hashes: "SELECT message_id, payload_hash FROM " + s.table + " WHERE consumer_name = $2 AND message_id = ANY($1::text[])",
+		clear: "DELETE FROM " + s.attempts + " a WHERE a.consumer_name = $2 AND a.message_id = ANY($1::text[]) AND a.dead_lettered_at IS NULL" +
+			" AND EXISTS (SELECT 1 FROM " + s.table + " t WHERE t.message_id = a.message_id AND t.consumer_name = $2)",
+		drop: "DELETE FROM " + s.table + " WHERE message_id = $1 AND consumer_name = $2",
+	}
+}
+
+// ClaimBatch implements inbox.BatchStore. Everything before the first handler travels in one
+// pipelined round trip, whatever the batch's size:
+//
+//   - counted, when a member counts first: BEGIN; SET LOCAL synchronous_commit TO OFF; the
+//     local timeouts; pg_advisory_lock on every member's key, in the batch's order (held until
+//     the batch ends); one INSERT ... SELECT FROM unnest(...) ON CONFLICT DO UPDATE that
+//     counts the members that count first, unless processed; COMMIT;
+//   - BEGIN ISOLATION LEVEL ...; the local timeouts; (counted, when no member counted: the
+//     locks); one INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING RETURNING
+//     message_id that claims every key (a dead-lettered one excepted); (counted) the members'
+//     attempt records.
+//
+// Duplicates cost one more round trip (their stored payload hashes); the transaction stays
+// open for the others. On error the transaction is rolled back, the counts it made taken back
+// and the connection released.
+func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
+	lvl, err := isoLevel(p.Isolation)
+	if err != nil {
+		return nil, nil, err
+	}
+	n := len(p.Claims)
+	if n == 0 {
+		return nil, nil, fmt.Errorf("%w: pgstore: empty batch", inbox.ErrInvalidConfig)
+	}
+	consumer := p.Claims[0].Key.ConsumerName
+	ids := make([]string, n)
+	types, corrs := make([]*string, n), make([]*string, n)
+	hashes := make([][]byte, n)
+	var countIDs []string
+	seen := make(map[string]bool, n)
+	for k, c := range p.Claims {
+		if c.Key.ConsumerName != consumer {
+			return nil, nil, fmt.Errorf("%w: pgstore: a batch holds keys of one consumer", inbox.ErrInvalidConfig)
+		}
+		if seen[c.Key.MessageID] {
+			return nil, nil, fmt.Errorf("%w: pgstore: a batch holds distinct keys", inbox.ErrInvalidConfig)
+		}
+		seen[c.Key.MessageID] = true
+		ids[k] = c.Key.MessageID
+		types[k], corrs[k] = strOrNil(c.MessageType), strOrNil(c.CorrelationID)
+		hashes[k] = c.PayloadHash
+		if p.Counted && c.CountFirst {
+			countIDs = append(countIDs, c.Key.MessageID)
+		}
+	}
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("acquire a connection: %w", err)
+	}
+	t := &batchTx{
+		claimTx: claimTx{s: s, conn: conn, finish: p.FinishTimeout, counted: p.Counted, iso: lvl},
+		ids:     ids, consumer: consumer, sql: s.batchSQL(),
+		claimed: make([]bool, n), countedFirst: make([]bool, n), dropped: make([]bool, n),
+		recs: make([]inbox.AttemptRecord, n),
+	}
+	if t.finish <= 0 {
+		t.finish = inbox.DefaultFinishTimeout
+	}
+	lockKeys := make([]string, n)
+	for k, id := range ids {
+		lockKeys[k] = s.lockKey(inbox.Key{MessageID: id, ConsumerName: consumer})
+	}
+	index := make(map[string]int, n)
+	for k, id := range ids {
+		index[id] = k
+	}
+	locked := func(pgconn.CommandTag) error { t.locked = true; return nil }
+	b := &pgx.Batch{}
+	if len(countIDs) > 0 {
+		b.BeginTx(pgx.TxOptions{})
+		b.Queue("set local synchronous_commit to off")
+		s.queueTimeouts(b)
+		b.Queue(t.sql.lock, lockKeys).Exec(locked)
+		b.Queue(t.sql.count, countIDs, consumer).Query(func(rows pgx.Rows) error {
+			return scanIDs(rows, func(id string) { t.countedFirst[index[id]] = true })
+		})
+		b.Queue("commit")
+		b.Queue("begin isolation level " + strings.ToLower(string(lvl)))
+		s.queueTimeouts(b)
+	} else {
+		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
+		s.queueTimeouts(b)
+		if p.Counted {
+			b.Queue(t.sql.lock, lockKeys).Exec(locked)
+		}
+	}
+	claimSQL := t.sql.claim
+	if p.Counted {
+		claimSQL = t.sql.claimCounted
+	}
+	b.Queue(claimSQL, ids, consumer, types, corrs, hashes).Query(func(rows pgx.Rows) error {
+		return scanIDs(rows, func(id string) { t.claimed[index[id]] = true })
+	})
+	if p.Counted {
+		b.Queue(t.sql.records, ids, consumer).Query(func(rows pgx.Rows) error {
+			for rows.Next() {
+				var id string
+				var attempts int32
+				var lastError, reason *string
+				var dead bool
+				if err := rows.Scan(&id, &attempts, &lastError, &dead, &reason); err != nil {
+					return err
+				}
+				t.recs[index[id]] = inbox.AttemptRecord{Attempts: int(attempts), LastError: deref(lastError), DeadLettered: dead, DeadLetterReason: deref(reason)}
+			}
+			return rows.Err()
+		})
+	}
+	if err := s.sendClaim(ctx, conn, b, &t.claimTx); err != nil {
+		_ = t.end(ctx, func(ctx context.Context) error {
+			_, _ = t.conn.Exec(ctx, "rollback")
+			t.takeBack(ctx, false)
+			return nil
+		})
+		return nil, nil, fmt.Errorf("batch claim: %w", err)
+	}
+	res := make([]inbox.CountedClaimResult, n)
+	var dups []string
+	for k := range ids {
+		res[k].Claimed = t.claimed[k]
+		res[k].Counted = t.countedFirst[k]
+		switch {
+		case t.claimed[k]:
+			res[k].Record = t.recs[k]
+		case t.recs[k].DeadLettered:
+			res[k].Record = t.recs[k]
+		default:
+			dups = append(dups, ids[k])
+		}
+	}
+	t.dirty = lvl != pgx.ReadCommitted
+	for k := range ids {
+		if t.countedFirst[k] || t.recs[k].Attempts > 0 || t.recs[k].LastError != "" {
+			t.dirty = true
+		}
+	}
+	if len(dups) > 0 {
+		rows, err := t.tx.Query(ctx, t.sql.hashes, dups, consumer)
+		if err == nil {
+			err = scanRows(rows, func(rows pgx.Rows) error {
+				var id string
+				var h []byte
+				if err := rows.Scan(&id, &h); err != nil {
+					return err
+				}
+				res[index[id]].StoredPayloadHash = h
+				return nil
+			})
+		}
+		if err != nil {
+			_ = t.Rollback(ctx)
+			return nil, nil, fmt.Errorf("batch claim: read stored payload hashes: %w", err)
+		}
+	}
+	return t, res, nil
+}
+
+func strOrNil(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
+}
+
+// scanIDs calls f with each row's one text column.
+func scanIDs(rows pgx.Rows, f func(string)) error {
+	return scanRows(rows, func(rows pgx.Rows) error {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return err
+		}
+		f(id)
+		return nil
+	})
+}
+
+func scanRows(rows pgx.Rows, f func(pgx.Rows) error) error {
+	defer rows.Close()
+	for rows.Next() {
+		if err := f(rows); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
+// batchTx is the transaction of a batch, on one connection acquired for it. It releases the
+// keys' locks and the connection when it ends.
+type batchTx struct {
+	claimTx // the connection, the pgx transaction, the lock and the finish timeout
+
+	ids          []string
+	consumer     string
+	sql          batchSQL
+	claimed      []bool                // the transaction holds the member's claim
+	countedFirst []bool                // ClaimBatch counted the member
+	dropped      []bool                // Drop took the member out
+	recs         []inbox.AttemptRecord // read at the claim
+	pending      []inbox.AttemptParams // Drop's records, applied before the locks are released
+	savepoint    bool                  // one is open
+}
+
+func (t *batchTx) Context(ctx context.Context) context.Context {
+	return context.WithValue(ctx, txKey{}, t.tx)
+}
+
+// Savepoint implements inbox.BatchTx: SAVEPOINT, after releasing the open one, in one round
+// trip.
+func (t *batchTx) Savepoint(ctx context.Context) error {
+	if t.ended {
+		return errors.New("pgstore: savepoint: the batch has ended")
+	}
+	q := "savepoint " + savepointName
+	if t.savepoint {
+		q = "release savepoint " + savepointName + "; " + q
+	}
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
+	defer cancel()
+	if _, err := t.conn.Exec(dctx, q); err != nil {
+		return fmt.Errorf("savepoint: %w", err)
+	}
+	t.savepoint = true
+	return nil
+}
+
+// Aborted implements inbox.BatchTx from the connection's transaction status, which the
+// server reports after every statement (no round trip).
+func (t *batchTx) Aborted() bool {
+	return !t.ended && t.conn.Conn().PgConn().TxStatus() == 'E'
+}
+
+// Drop implements inbox.BatchTx. With a savepoint open: ROLLBACK TO SAVEPOINT, then the
+// claim's DELETE and RELEASE SAVEPOINT in one round trip; without one, the claim's DELETE (nothing
+// when the transaction is aborted). p is applied to the attempt record after the batch's
+// COMMIT or ROLLBACK and before its locks are released; the count returned is the record read
+// at the claim plus p.AttemptsDelta, exact because the batch holds the key's lock.
+func (t *batchTx) Drop(ctx context.Context, member int, p inbox.FailParams) (int, error) {
+	if member < 0 || member >= len(t.ids) || t.dropped[member] {
+		return 0, fmt.Errorf("pgstore: drop: no member %d in the batch", member)
+	}
+	t.dropped[member] = true
+	key := inbox.Key{MessageID: t.ids[member], ConsumerName: t.consumer}
+	attempts := 0
+	if t.counted {
+		attempts = max(t.recs[member].Attempts+p.AttemptsDelta, 0)
+		if p.AttemptsDelta != 0 || p.Error != "" {
+			t.pending = append(t.pending, inbox.AttemptParams{Key: key, AttemptsDelta: p.AttemptsDelta, Error: p.Error})
+		}
+	}
+	if t.ended {
+		return attempts, nil
+	}
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
+	defer cancel()
+	b := &pgx.Batch{}
+	switch {
+	case t.savepoint:
+		// First on its own: a statement is not even parsed in an aborted transaction.
+		if _, err := t.conn.Exec(dctx, "rollback to savepoint "+savepointName); err != nil {
+			return attempts, fmt.Errorf("drop a member: %w", err)
+		}
+		b.Queue(t.sql.drop, key.MessageID, key.ConsumerName)
+		b.Queue("release savepoint " + savepointName)
+		t.savepoint = false
+	case t.conn.Conn().PgConn().TxStatus() != 'E':
+		b.Queue(t.sql.drop, key.MessageID, key.ConsumerName)
+	default:
+		return attempts, nil // aborted: the caller rolls the batch back
+	}
+	if err := t.conn.Conn().SendBatch(dctx, b).Close(); err != nil {
+		return attempts, fmt.Errorf("drop a member: %w", err)
+	}
+	return attempts, nil
+}
+
+// Commit implements inbox.Tx for the batch: COMMIT and, for counted batches whose keys may
+// have attempt records, the DELETE of the records of keys now processed, in one round trip
+// with the release of the locks when no member left the batch with a record to write. A
+// rollback certain at COMMIT takes the members' counts back, as Rollback does. Errors mean
+// what claimTx.Commit's mean.
+func (t *batchTx) Commit(ctx context.Context) error {
+	return t.end(ctx, func(ctx context.Context) error {
+		b := &pgx.Batch{}
+		var commitTag pgconn.CommandTag
+		var commitErr error
+		b.Queue("commit").Exec(func(ct pgconn.CommandTag) error { commitTag = ct; return nil })
+		if t.counted && t.dirty {
+			b.Queue(t.sql.clear, t.ids, t.consumer)
+		}
+		unlock := t.locked && len(t.pending) == 0
+		if unlock {
+			b.Queue(unlockSQL).Exec(func(pgconn.CommandTag) error { t.locked = false; return nil })
+		}
+		err := t.conn.Conn().SendBatch(ctx, b).Close()
+		var pgErr *pgconn.PgError
+		switch {
+		case commitTag.String() == "COMMIT":
+			// Committed; a failed clean-up after COMMIT only leaves stale records.
+			t.applyPending(ctx)
+			return nil
+		case commitTag.String() != "":
+			commitErr = pgx.ErrTxCommitRollback
+		case errors.As(err, &pgErr):
+			commitErr = err
+		default:
+			return err // the outcome is unknown
+		}
+		t.takeBack(ctx, true)
+		return fmt.Errorf("%w: %w", inbox.ErrCommitRolledBack, commitErr)
+	})
+}
+
+// Rollback implements inbox.Tx for the batch: ROLLBACK, then the records of members that left
+// (Drop) and the count taken back for every member still in the batch that ClaimBatch counted,
+// before the locks are released.
+func (t *batchTx) Rollback(ctx context.Context) error {
+	return t.end(ctx, func(ctx context.Context) error {
+		_, err := t.conn.Exec(ctx, "rollback")
+		t.takeBack(ctx, true)
+		return err
+	})
+}
+
+// takeBack applies the pending records and takes back the counts of members still in the
+// batch, on the batch's connection (still holding the keys' locks) or, when it is broken, on
+// the pool. Best effort: a failure leaves one count too many for a message, the cost of a
+// crash at the same point.
+func (t *batchTx) takeBack(ctx context.Context, withPending bool) {
+	var ps []inbox.AttemptParams
+	if withPending {
+		ps = append(ps, t.pending...)
+		t.pending = nil
+	}
+	for k, id := range t.ids {
+		if t.countedFirst[k] && !t.dropped[k] {
+			ps = append(ps, inbox.AttemptParams{Key: inbox.Key{MessageID: id, ConsumerName: t.consumer}, AttemptsDelta: -1})
+		}
+	}
+	t.apply(ctx, ps)
+}
+
+// applyPending applies Drop's records after a COMMIT.
+func (t *batchTx) applyPending(ctx context.Context) {
+	ps := t.pending
+	t.pending = nil
+	t.apply(ctx, ps)
+}
+
+func (t *batchTx) apply(ctx context.Context, ps []inbox.AttemptParams) {
+	for _, p := range ps {
+		if t.conn.Conn().IsClosed() {
+			_, _ = t.s.adjust(ctx, t.s.pool, p)
+		} else if _, err := t.s.adjust(ctx, t.conn, p); err != nil {
+			_, _ = t.s.adjust(ctx, t.s.pool, p)
+		}
+	}
+}
+
+// Fail is not part of a batch (members leave it with Drop); it rolls the whole batch back.
+func (t *batchTx) Fail(ctx context.Context, _ inbox.FailParams) (int, error) {
+	return 0, t.Rollback(ctx)
+}
