@@ -346,16 +346,16 @@ func (i *Inbox) Replay(ctx context.Context, p ReplayParams) (int64, error) {
 
 // Row is a row as Get reads it, without its payload.
 type Row struct {
-	ID                       int64
-	MessageID, MessageUUID   string
-	AggregateKey             string
-	Status                   Status
-	Attempts                 int
-	LastError                string
-	ReceivedAt               time.Time
-	DoneAt, DeadAt           *time.Time
-	ClaimedBy                string
-	NextAttemptAt            time.Time
+	ID                     int64
+	MessageID, MessageUUID string
+	AggregateKey           string
+	Status                 Status
+	Attempts               int
+	LastError              string
+	ReceivedAt             time.Time
+	DoneAt, DeadAt         *time.Time
+	ClaimedBy              string
+	NextAttemptAt          time.Time
 }
 
 // Get reads the row of key for this consumer; pgx.ErrNoRows (wrapped) when there is none.

@@ -37,16 +37,16 @@ type Migration struct {
 
 // names holds the quoted identifiers and the SQL built from them for one table.
 type names struct {
-	schema, table        string // unquoted
-	qtable, versions     string // quoted
-	channel              string // the NOTIFY channel (unquoted)
-	tmpl                 map[string]string
-	receiveSQL, hashSQL  string
-	claimSQL             string
-	countSQL, lockSQL    string
-	doneSQL, failSQL     string
-	releaseSQL, reapSQL  string
-	statsSQL, replaySQL  string
+	schema, table       string // unquoted
+	qtable, versions    string // quoted
+	channel             string // the NOTIFY channel (unquoted)
+	tmpl                map[string]string
+	receiveSQL, hashSQL string
+	claimSQL            string
+	countSQL, lockSQL   string
+	doneSQL, failSQL    string
+	releaseSQL, reapSQL string
+	statsSQL, replaySQL string
 }
 
 // newNames validates nothing (Config.Validate did) and builds the SQL for cfg.

@@ -219,10 +219,12 @@ func (w *Workers) release(rows []claimedRow, token uuid.UUID) {
 // workerTx is a row's transaction as an inbox.Tx, for the outbox.
 type workerTx struct{ tx pgx.Tx }
 
-func (t workerTx) Context(ctx context.Context) context.Context { return pgstore.ContextWithTx(ctx, t.tx) }
-func (t workerTx) Commit(ctx context.Context) error            { return t.tx.Commit(ctx) }
-func (t workerTx) Rollback(ctx context.Context) error          { return t.tx.Rollback(ctx) }
-func (t workerTx) PgxTx() pgx.Tx                               { return t.tx }
+func (t workerTx) Context(ctx context.Context) context.Context {
+	return pgstore.ContextWithTx(ctx, t.tx)
+}
+func (t workerTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t workerTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
+func (t workerTx) PgxTx() pgx.Tx                      { return t.tx }
 
 var _ pgstore.PgxTxer = workerTx{}
 
