@@ -3,11 +3,13 @@ package deferred_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -37,7 +39,7 @@ func inboxOn(t testing.TB, pool *pgxpool.Pool, schema string, cfg deferred.Confi
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 200 * time.Millisecond
 	}
-	ib, err := deferred.New(cfg, nil)
+	ib, err := deferred.New(cfg, testLogger)
 	if err != nil {
 		t.Fatalf("deferred.New: %v", err)
 	}
@@ -113,3 +115,8 @@ func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool)
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+func newSchemaOnly(t testing.TB, conns int32) *testenv.Schema { return testenv.NewSchema(t, conns) }
+
+// testLogger writes errors (and, with DEFERRED_TEST_VERBOSE=1, info) to stderr.
+var testLogger = watermill.NewStdLoggerWithOut(os.Stderr, os.Getenv("DEFERRED_TEST_VERBOSE") == "1", false)

@@ -61,13 +61,14 @@ func newNames(cfg Config) *names {
 		// keeps it short and unique per table.
 		channel: "watermill_inbox_deferred_" + hex.EncodeToString(sum[:8]),
 		tmpl: map[string]string{
-			"Table":           t,
-			"PendingIndex":    idx("_pending_idx"),
-			"UnfinishedIndex": idx("_unfinished_idx"),
-			"SequenceIndex":   idx("_sequence_idx"),
-			"ProcessingIndex": idx("_processing_idx"),
-			"DeadIndex":       idx("_dead_idx"),
-			"DoneAtIndex":     idx("_done_at_idx"),
+			"Table":            t,
+			"FreeIndex":        idx("_free_idx"),
+			"PredecessorIndex": idx("_predecessor_idx"),
+			"UnfinishedIndex":  idx("_unfinished_idx"),
+			"SequenceIndex":    idx("_sequence_idx"),
+			"ProcessingIndex":  idx("_processing_idx"),
+			"DeadIndex":        idx("_dead_idx"),
+			"DoneAtIndex":      idx("_done_at_idx"),
 		},
 	}
 	n.receiveSQL = `WITH ins AS (
@@ -75,45 +76,64 @@ func newNames(cfg Config) *names {
   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
   ON CONFLICT (message_id, consumer_name) DO NOTHING
   RETURNING id)
-SELECT ins.id, pg_notify($10, $2::text)::text FROM ins`
+SELECT ins.id FROM ins`
 	n.hashSQL = "SELECT payload_hash FROM " + t + " WHERE message_id = $1 AND consumer_name = $2"
 
-	// The claim: the head rows of their aggregates (see docs/store-then-process.md).
-	finished := "'done'"
+	// The claim (see docs/store-then-process.md, "The claim"): a skip scan over the aggregates
+	// that have unfinished rows, starting after a cursor ($5, the last aggregate key the
+	// worker's previous claim reached, so every aggregate gets its turn), takes each one's head
+	// row (the first unfinished row in the aggregate's order); a head that is pending, due, and
+	// whose aggregate has no row in processing is a candidate. Rows without an aggregate are
+	// candidates in arrival order. The candidates are locked FOR UPDATE SKIP LOCKED, rechecked
+	// as pending, and set processing.
+	unfinished := "e.status <> 'done'"
 	if cfg.AfterDead == ContinueAggregate {
-		finished = "'done', 'dead'"
+		unfinished = "e.status IN ('pending', 'processing')"
 	}
-	var head string
+	headOrder, headCols, headCheck := "e.id", "e.id, e.status, e.next_attempt_at", ""
 	if cfg.Ordering == OrderProducerSequence {
-		head = `
-      AND (r.producer_seq = ` + strconv.FormatInt(cfg.FirstSequence, 10) + ` OR EXISTS (
-        SELECT 1 FROM ` + t + ` e
-        WHERE e.consumer_name = r.consumer_name AND e.aggregate_key = r.aggregate_key
-          AND e.producer_seq IS NOT NULL AND e.producer_seq = r.producer_seq - 1
-          AND e.status IN (` + finished + `)))
-      AND NOT EXISTS (
-        SELECT 1 FROM ` + t + ` e
-        WHERE e.consumer_name = r.consumer_name AND e.aggregate_key = r.aggregate_key
-          AND e.producer_seq IS NOT NULL AND e.producer_seq = r.producer_seq AND e.id < r.id
-          AND e.status NOT IN (` + finished + `))`
-	} else {
-		head = `
-      AND NOT EXISTS (
-        SELECT 1 FROM ` + t + ` e
-        WHERE e.consumer_name = r.consumer_name AND e.aggregate_key = r.aggregate_key
-          AND e.aggregate_key IS NOT NULL AND e.status <> 'done' AND e.id < r.id
-          AND e.status NOT IN (` + finished + `))`
+		headOrder = "e.producer_seq, e.id"
+		headCols += ", e.producer_seq"
+		headCheck = `
+    AND (h.producer_seq = ` + strconv.FormatInt(cfg.FirstSequence, 10) + ` OR EXISTS (
+      SELECT 1 FROM ` + t + ` q
+      WHERE q.consumer_name = $1 AND q.aggregate_key = a.k AND q.producer_seq IS NOT NULL
+        AND q.producer_seq = h.producer_seq - 1))`
 	}
-	n.claimSQL = `WITH c AS (
+	seqFilter := ""
+	if cfg.Ordering == OrderProducerSequence {
+		seqFilter = " AND e.producer_seq IS NOT NULL"
+	}
+	n.claimSQL = `WITH RECURSIVE aggs(k) AS (
+  (SELECT e.aggregate_key FROM ` + t + ` e
+   WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL AND e.aggregate_key > $5
+   ORDER BY e.aggregate_key LIMIT 1)
+  UNION ALL
+  SELECT (SELECT e.aggregate_key FROM ` + t + ` e
+          WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL AND e.aggregate_key > a.k
+          ORDER BY e.aggregate_key LIMIT 1)
+  FROM aggs a WHERE a.k IS NOT NULL),
+heads AS (
+  SELECT h.id, a.k FROM aggs a
+  CROSS JOIN LATERAL (
+    SELECT ` + headCols + ` FROM ` + t + ` e
+    WHERE e.consumer_name = $1 AND e.aggregate_key = a.k AND ` + unfinished + seqFilter + `
+    ORDER BY ` + headOrder + ` LIMIT 1) h
+  WHERE a.k IS NOT NULL AND h.status = 'pending' AND h.next_attempt_at <= now()
+    AND NOT EXISTS (
+      SELECT 1 FROM ` + t + ` p
+      WHERE p.consumer_name = $1 AND p.aggregate_key = a.k AND p.status = 'processing')` + headCheck + `
+  LIMIT $2),
+cand AS (
+  SELECT id FROM heads
+  UNION ALL
+  (SELECT e.id FROM ` + t + ` e
+   WHERE e.consumer_name = $1 AND e.status = 'pending' AND e.aggregate_key IS NULL AND e.next_attempt_at <= now()
+   ORDER BY e.id LIMIT $2)),
+c AS (
   SELECT r.id FROM ` + t + ` r
-  WHERE r.consumer_name = $1 AND r.status = 'pending' AND r.next_attempt_at <= now()
-    AND (r.aggregate_key IS NULL OR (
-      NOT EXISTS (
-        SELECT 1 FROM ` + t + ` p
-        WHERE p.consumer_name = r.consumer_name AND p.aggregate_key = r.aggregate_key
-          AND p.status = 'processing')` + head + `))
-  ORDER BY r.id
-  LIMIT $2
+  WHERE r.id IN (SELECT id FROM cand) AND r.status = 'pending' AND r.next_attempt_at <= now()
+  ORDER BY r.id LIMIT $2
   FOR UPDATE OF r SKIP LOCKED)
 UPDATE ` + t + ` t SET status = 'processing', claimed_at = now(), claimed_by = $3, claim_token = $4
 FROM c WHERE t.id = c.id
@@ -122,8 +142,10 @@ RETURNING t.id, t.message_id, t.message_uuid, t.aggregate_key, t.topic, t.payloa
 	n.countSQL = "UPDATE " + t + " SET attempts = attempts + 1, claimed_at = now()" +
 		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING attempts"
 	n.lockSQL = "SELECT attempts FROM " + t + " WHERE id = $1 AND claim_token = $2 AND status = 'processing' FOR UPDATE"
-	n.doneSQL = "UPDATE " + t + " SET status = 'done', done_at = now(), claim_token = NULL, last_error = NULL" +
-		" WHERE id = $1 AND claim_token = $2 AND status = 'processing'"
+	// Fails (division_by_zero) when the token no longer matches, aborting the transaction.
+	n.doneSQL = "WITH u AS (UPDATE " + t + " SET status = 'done', done_at = now(), claim_token = NULL, last_error = NULL" +
+		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING 1)" +
+		" SELECT 1 / (SELECT count(*)::int FROM u)"
 	// $3: dead; $4: delay in seconds; $5: last error; $6: attempts delta.
 	n.failSQL = "UPDATE " + t + " SET status = CASE WHEN $3::boolean THEN 'dead' ELSE 'pending' END," +
 		" dead_at = CASE WHEN $3::boolean THEN now() END," +
@@ -140,8 +162,10 @@ FROM (SELECT id FROM ` + t + `
       LIMIT 1000 FOR UPDATE SKIP LOCKED) s
 WHERE t.id = s.id`
 	n.statsSQL = `SELECT
-  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'pending'),
-  (SELECT min(received_at) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'pending'),
+  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'pending' AND aggregate_key IS NULL) +
+  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status <> 'done' AND aggregate_key IS NOT NULL AND status = 'pending'),
+  least((SELECT min(received_at) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'pending' AND aggregate_key IS NULL),
+        (SELECT min(received_at) FROM ` + t + ` WHERE consumer_name = $1 AND status <> 'done' AND aggregate_key IS NOT NULL AND status = 'pending')),
   (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'processing'),
   (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'dead'),
   now()`

@@ -151,10 +151,26 @@ type claimedRow struct {
 func (w *Workers) work(n int) {
 	cfg := w.ib.cfg
 	name := cfg.WorkerName + "/" + strconv.Itoa(n)
+	cursor := "" // the aggregate key the last claim reached: the next one starts after it
 	for w.stop.Err() == nil {
-		rows, token, err := w.claim(name)
+		rows, token, err := w.claim(name, cursor)
 		if err != nil {
 			w.ib.logger.Error("Claim failed", err, nil)
+		}
+		wrapped := cursor == ""
+		next, ordered := "", 0
+		for _, r := range rows {
+			if r.aggregate != nil {
+				ordered++
+				next = max(next, *r.aggregate)
+			}
+		}
+		cursor = ""
+		if ordered >= cfg.BatchSize {
+			cursor = next // more aggregates may follow
+		}
+		if len(rows) == 0 && !wrapped && err == nil {
+			continue // the scan started mid-way: wrap around at once
 		}
 		if len(rows) == 0 {
 			select {
@@ -178,12 +194,12 @@ func (w *Workers) work(n int) {
 
 // claim claims a batch in one statement (its own short transaction), on a context detached
 // from shutdown, so a claim that committed is never lost to a cancelled read.
-func (w *Workers) claim(name string) ([]claimedRow, uuid.UUID, error) {
+func (w *Workers) claim(name, cursor string) ([]claimedRow, uuid.UUID, error) {
 	cfg := w.ib.cfg
 	token := uuid.New()
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.FinishTimeout)
 	defer cancel()
-	rows, err := cfg.Pool.Query(ctx, w.ib.n.claimSQL, cfg.ConsumerName, cfg.BatchSize, name, token)
+	rows, err := cfg.Pool.Query(ctx, w.ib.n.claimSQL, cfg.ConsumerName, cfg.BatchSize, name, token, cursor)
 	if err != nil {
 		return nil, token, fmt.Errorf("deferred: claim: %w", err)
 	}
@@ -302,20 +318,33 @@ func (w *Workers) process(r claimedRow, token uuid.UUID) {
 	msg.SetContext(txCtx)
 	herr := w.run(msg, txCtx, tx)
 	if herr == nil {
-		ct, err := tx.Exec(dctx, ib.n.doneSQL, r.id, token)
-		if err == nil && ct.RowsAffected() != 1 {
-			err = errors.New("claim token no longer matches")
+		// The done-mark and COMMIT in one round trip. A mark that matches no row (the token
+		// changed) fails with division_by_zero (SQLSTATE 22012), which aborts the transaction,
+		// so the handler's writes can never commit without the row's done-mark.
+		var markErr error
+		var tag pgconn.CommandTag
+		cb := &pgx.Batch{}
+		cb.Queue(ib.n.doneSQL, r.id, token).QueryRow(func(row pgx.Row) error {
+			var one int32
+			markErr = row.Scan(&one)
+			return nil
+		})
+		cb.Queue("commit").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
+		err := conn.Conn().SendBatch(dctx, cb).Close()
+		if err == nil && markErr == nil && tag.String() != "COMMIT" {
+			err = pgx.ErrTxCommitRollback
 		}
-		if err != nil {
-			_ = tx.Rollback(dctx)
+		if err != nil || markErr != nil {
+			_, _ = conn.Exec(dctx, "rollback")
 			ib.fenced.Add(1)
-			ib.logger.Error("Could not mark the row done; rolled back", err, log)
-			return
-		}
-		if err := tx.Commit(dctx); err != nil {
-			// Rolled back, or unknown: the row stays processing under this token until the
-			// reaper returns it to pending, its attempt counted; a committed row is done.
-			ib.logger.Error("Commit failed; the reaper returns the row unless it committed", err, log)
+			var pgErr *pgconn.PgError
+			if errors.As(markErr, &pgErr) && pgErr.Code == "22012" || errors.As(err, &pgErr) && pgErr.Code == "22012" {
+				ib.logger.Info("Row fenced at its done-mark: its claim was released; rolled back", log)
+				return
+			}
+			// Rolled back, or unknown: a row that did not commit stays processing under this
+			// token until the reaper returns it to pending, its attempt counted.
+			ib.logger.Error("Could not mark the row done and commit; rolled back unless it committed", errors.Join(markErr, err), log)
 			return
 		}
 		ib.done.Add(1)

@@ -37,15 +37,19 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     UNIQUE (message_id, consumer_name)
 );
 
--- Candidates of the claim, in arrival order.
-CREATE INDEX IF NOT EXISTS {{.PendingIndex}} ON {{.Table}} (consumer_name, id)
-    WHERE status = 'pending';
--- Unfinished rows of each aggregate: the claim's "no earlier unfinished row" probe.
+-- The claim's unordered candidates: pending rows without an aggregate, in arrival order.
+CREATE INDEX IF NOT EXISTS {{.FreeIndex}} ON {{.Table}} (consumer_name, id)
+    WHERE status = 'pending' AND aggregate_key IS NULL;
+-- Unfinished rows of each aggregate: the claim's skip scan over aggregates and each one's
+-- head row in arrival order. Done rows leave it, so its size is the backlog, not the history.
 CREATE INDEX IF NOT EXISTS {{.UnfinishedIndex}} ON {{.Table}} (consumer_name, aggregate_key, id)
     WHERE status <> 'done' AND aggregate_key IS NOT NULL;
--- Rows of each aggregate by producer sequence (predecessor and tie probes).
+-- Unfinished rows of each aggregate by producer sequence: the head row in sequence order.
 CREATE INDEX IF NOT EXISTS {{.SequenceIndex}} ON {{.Table}} (consumer_name, aggregate_key, producer_seq, id)
-    WHERE aggregate_key IS NOT NULL AND producer_seq IS NOT NULL;
+    WHERE status <> 'done' AND producer_seq IS NOT NULL;
+-- Every row by producer sequence: the probe for a head row's predecessor.
+CREATE INDEX IF NOT EXISTS {{.PredecessorIndex}} ON {{.Table}} (consumer_name, aggregate_key, producer_seq)
+    WHERE producer_seq IS NOT NULL;
 -- Rows in flight: the claim's "aggregate busy" probe and the reaper.
 CREATE INDEX IF NOT EXISTS {{.ProcessingIndex}} ON {{.Table}} (consumer_name, aggregate_key)
     WHERE status = 'processing';

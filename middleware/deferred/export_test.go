@@ -1,0 +1,3 @@
+package deferred
+
+func (i *Inbox) ClaimSQLForTest() string { return i.n.claimSQL }
