@@ -382,18 +382,26 @@ func (i *Inbox) Replay(ctx context.Context, p ReplayParams) (int64, error) {
 	return n, nil
 }
 
-// Row is a row as Get reads it, without its payload.
+// Row is a row as Get reads it, without its payload and metadata.
 type Row struct {
-	ID                     int64
+	// ID is the arrival sequence.
+	ID int64
+	// MessageID is the key; MessageUUID the Watermill UUID as received.
 	MessageID, MessageUUID string
-	AggregateKey           string
-	Status                 Status
-	Attempts               int
-	LastError              string
-	ReceivedAt             time.Time
-	DoneAt, DeadAt         *time.Time
-	ClaimedBy              string
-	NextAttemptAt          time.Time
+	// AggregateKey is empty for a row without ordering constraint.
+	AggregateKey string
+	// Status is the row's state.
+	Status Status
+	// Attempts counts the handler runs started (crashes included).
+	Attempts int
+	// LastError is the last failure, truncated to 1 KiB; never the payload.
+	LastError string
+	// ReceivedAt is the receipt's time; NextAttemptAt the earliest next claim.
+	ReceivedAt, NextAttemptAt time.Time
+	// DoneAt and DeadAt are set once the row is done or dead.
+	DoneAt, DeadAt *time.Time
+	// ClaimedBy names the worker of the last claim ("<WorkerName>/<n>").
+	ClaimedBy string
 }
 
 // Get reads the row of key for this consumer; pgx.ErrNoRows (wrapped) when there is none.
