@@ -258,3 +258,47 @@ func TestOrderingArrivalAndFailure(t *testing.T) {
 		})
 	}
 }
+
+// TestGracefulShutdownReleases: Close while a batch is being handled finishes the row in
+// progress and releases the rest of the batch: no row is left in processing, the released rows
+// carry no attempt, and a new set of workers handles them once.
+func TestGracefulShutdownReleases(t *testing.T) {
+	ib, s := newInbox(t, deferred.Config{Workers: 1, BatchSize: 50}, 1)
+	for k := range 60 {
+		m := payment("g-"+strconv.Itoa(k), 1, 1, 0)
+		m.Metadata = message.Metadata{}
+		if err := ib.Receive(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var runs atomic.Int64
+	slow := func(msg *message.Message) error {
+		runs.Add(1)
+		time.Sleep(20 * time.Millisecond)
+		return credit(msg)
+	}
+	w := ib.NewConsumerWorkers(slow)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	waitFor(t, 10*time.Second, "a few rows done", func() bool { return ib.Counters().Done >= 5 })
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'processing'"); n != 0 {
+		t.Fatalf("%d rows left in processing after Close", n)
+	}
+	pending := count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'pending'")
+	if pending == 0 || count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'pending' AND attempts > 0") != 0 {
+		t.Fatalf("%d pending rows, some charged an attempt they never ran", pending)
+	}
+	runWorkers(t, ib.NewConsumerWorkers(slow))
+	waitFor(t, 20*time.Second, "all 60 done", func() bool {
+		return count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'done'") == 60
+	})
+	if b, r := count(t, s.Pool, "SELECT balance FROM accounts WHERE id = 1"), runs.Load(); b != 60 || r != 60 {
+		t.Fatalf("balance %d, handler runs %d; want 60 and 60", b, r)
+	}
+}
