@@ -1,3 +1,0 @@
-package deferred
-
-func (i *Inbox) ClaimSQLForTest() string { return i.n.claimSQL }
