@@ -296,7 +296,8 @@ func (i *Inbox) publishDeadLetter(ctx context.Context, msg *message.Message, key
 	return nil
 }
 
-// Stats is a cheap snapshot of the table for one consumer, for metrics (four indexed counts).
+// Stats is a snapshot of the table for one consumer, for metrics, read from the partial indexes
+// of unfinished rows (its cost follows the backlog, not the history).
 type Stats struct {
 	// Pending is the number of pending rows (including rows waiting for their backoff or for
 	// an earlier row of their aggregate).
@@ -312,8 +313,8 @@ type Stats struct {
 	Counters Counters
 }
 
-// Stats reads the consumer's row counts: four index scans on the partial indexes of pending,
-// processing and dead rows (done rows are not counted). Errors are pgx's, wrapped.
+// Stats reads the consumer's row counts in one statement, from the partial indexes of
+// unfinished, processing and dead rows (done rows are never read). Errors are pgx's, wrapped.
 func (i *Inbox) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
 	var oldest *time.Time
