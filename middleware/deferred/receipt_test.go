@@ -137,3 +137,21 @@ func TestReceiptRefusals(t *testing.T) {
 		t.Fatalf("empty key: %v, want ErrInvalidKey", err)
 	}
 }
+
+// TestNotifyWakesIdleWorkers: with a 30 s poll interval, idle workers still pick a new row up
+// within seconds: the receipt's notification (LISTEN on a dedicated connection) woke them.
+func TestNotifyWakesIdleWorkers(t *testing.T) {
+	ib, s := newInbox(t, deferred.Config{PollInterval: 30 * time.Second}, 1)
+	runWorkers(t, ib.NewConsumerWorkers(credit))
+	time.Sleep(500 * time.Millisecond) // the first poll is over; the LISTEN is in place
+	for k := range 3 {
+		start := time.Now()
+		if err := ib.Receive(payment("wake-"+string(rune('a'+k)), 1, 1, 0)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "the row done", func() bool {
+			return count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'done'") == int64(k+1)
+		})
+		t.Logf("receipt to done: %s", time.Since(start))
+	}
+}
