@@ -36,6 +36,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
+	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -68,6 +69,11 @@ type Config struct {
 	// SDK's default JSON protocol. Amazon SQS speaks both: leave it off against AWS. Set it
 	// for an SQS-compatible endpoint that speaks only the query protocol, such as goaws.
 	SQSQueryProtocol bool `json:"sqs_query_protocol"`
+	// Mode is the inbox mode of AddModeConsumer: "immediate" (default: the handler runs in
+	// the delivery, see package middleware/inbox) or "store-then-process" (the delivery is
+	// stored and acked, workers run the handler later, see package middleware/deferred).
+	// Environment: INBOX_MODE.
+	Mode string `json:"mode"`
 
 	// Postgres, AMQP, Kafka, SQS, NATS and Redis, when set, hold the settings of that
 	// broker's adapter beyond the address and the consumer group (timings, concurrency,
@@ -132,6 +138,7 @@ func ConfigFromEnv() (Config, error) {
 		Broker:              os.Getenv("INBOX_BROKER"),
 		URL:                 os.Getenv("INBOX_BROKER_URL"),
 		ConsumerGroupPrefix: os.Getenv("INBOX_CONSUMER_GROUP_PREFIX"),
+		Mode:                os.Getenv("INBOX_MODE"),
 		source:              sourceEnv,
 	}
 	if cfg.URL == "" {
@@ -183,6 +190,7 @@ func (c *Config) setDefaults() {
 	if c.Broker == "" {
 		c.Broker = postgres.Name
 	}
+	c.setModeDefault()
 	if c.URL == "" {
 		switch c.Broker {
 		case amqp.Name:
@@ -212,6 +220,9 @@ func (c Config) setting(env, jsonField, goField string) string {
 // setting as it was given: the environment variable (ConfigFromEnv), the JSON field and file
 // (LoadConfig), or the Config field.
 func (c Config) Validate() error {
+	if err := c.validateMode(); err != nil {
+		return err
+	}
 	switch c.Broker {
 	case postgres.Name, amqp.Name, nats.Name, redis.Name:
 	case kafka.Name:
@@ -283,7 +294,10 @@ type Router struct {
 	Broker *adapters.Broker
 
 	prefix string
-	batch  inbox.BatchConfig // Config.Batch
+	batch  inbox.BatchConfig   // Config.Batch
+	mode   string              // Config.Mode
+	ws     []*deferred.Workers // store-then-process workers, run with the router
+	wsRun  bool                // the workers were started
 	mu     sync.Mutex
 	subs   map[string]message.Subscriber // consumer group -> its subscriber
 	names  map[string]int                // consumer name -> handlers added for it
@@ -308,7 +322,7 @@ func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Route
 	}
 	r.AddMiddleware(wmmiddleware.CorrelationID, wmmiddleware.Recoverer)
 	return &Router{
-		Router: r, Broker: b, prefix: cfg.ConsumerGroupPrefix, batch: cfg.Batch,
+		Router: r, Broker: b, prefix: cfg.ConsumerGroupPrefix, batch: cfg.Batch, mode: cfg.Mode,
 		subs: map[string]message.Subscriber{}, names: map[string]int{}, topics: map[string]string{},
 	}, nil
 }
@@ -410,6 +424,7 @@ func (r *Router) AddHandler(ib *inbox.Inbox, topic, publishTopic string, h messa
 // first error.
 func (r *Router) Close() error {
 	err := r.Router.Close()
+	r.closeWorkers()
 	r.mu.Lock()
 	subs := r.subs
 	r.subs = map[string]message.Subscriber{}
@@ -426,4 +441,4 @@ func (r *Router) Close() error {
 }
 
 // Run runs the router until ctx is cancelled or Close is called.
-func (r *Router) Run(ctx context.Context) error { return r.Router.Run(ctx) }
+func (r *Router) Run(ctx context.Context) error { r.runWorkers(ctx); return r.Router.Run(ctx) }

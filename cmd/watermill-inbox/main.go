@@ -4,6 +4,8 @@
 //	watermill-inbox migrate --print          # print the SQL for your own migration tool
 //	watermill-inbox migrate --schema billing --table inbox
 //	watermill-inbox migrate --outbox         # also the outbox tables (topic inbox_outbox)
+//	watermill-inbox deferred migrate         # the store-then-process table (see deferred.go)
+//	watermill-inbox deferred replay --consumer billing --status dead
 //	watermill-inbox --version
 //
 // The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL). Exit
@@ -70,6 +72,7 @@ func rootCmd() *cobra.Command {
 	}
 	root.AddCommand(migrateCmd())
 	root.AddCommand(partitionsCmd())
+	root.AddCommand(deferredCmd())
 	return root
 }
 

@@ -625,11 +625,30 @@ func PgxTx(tx inbox.Tx) (pgx.Tx, bool) {
 	if b, ok := tx.(*batchTx); ok && b != nil {
 		return b.tx, true // a batch's (group commit)
 	}
+	if p, ok := tx.(PgxTxer); ok {
+		ptx := p.PgxTx()
+		return ptx, ptx != nil
+	}
 	t, ok := tx.(*claimTx)
 	if !ok || t == nil {
 		return nil, false
 	}
 	return t.tx, true
+}
+
+// PgxTxer is implemented by inbox transactions built on pgx outside this package (the
+// store-then-process inbox's worker transactions, package middleware/deferred): PgxTx
+// returns their pgx transaction for them, so the outbox writes in it.
+type PgxTxer interface {
+	// PgxTx returns the open pgx transaction, or nil when there is none.
+	PgxTx() pgx.Tx
+}
+
+// ContextWithTx returns ctx carrying tx where TxFromContext finds it. The store-then-process
+// worker (package middleware/deferred) uses it, so one handler reads its transaction the same
+// way in both modes. Handlers do not need it.
+func ContextWithTx(ctx context.Context, tx pgx.Tx) context.Context {
+	return context.WithValue(ctx, txKey{}, tx)
 }
 
 // claimTx is an open claim transaction on a connection acquired for it. It releases the

@@ -1,0 +1,325 @@
+package deferred
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"embed"
+	"encoding/hex"
+	"fmt"
+	"io/fs"
+	"path"
+	"sort"
+	"strconv"
+	"strings"
+	"text/template"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// migrationsTable records applied migrations per table, in the table's schema (the same table
+// pgstore uses; rows are keyed by the quoted table name, so the two never clash).
+const migrationsTable = "watermill_inbox_migrations"
+
+// Migration is one versioned schema change, rendered for a configured schema and table.
+type Migration struct {
+	// Version is the migration's number, from its file name.
+	Version int
+	// Name is the file name, e.g. "0001_create_deferred_inbox.sql".
+	Name string
+	// SQL is the statement text with quoted identifiers substituted.
+	SQL string
+}
+
+// names holds the quoted identifiers and the SQL built from them for one table.
+type names struct {
+	schema, table       string // unquoted
+	qtable, versions    string // quoted
+	channel             string // the NOTIFY channel (unquoted)
+	tmpl                map[string]string
+	receiveSQL, hashSQL string
+	claimSQL            string
+	countSQL, lockSQL   string
+	doneSQL, failSQL    string
+	releaseSQL, reapSQL string
+	statsSQL, replaySQL string
+}
+
+// newNames validates nothing (Config.Validate did) and builds the SQL for cfg.
+func newNames(cfg Config) *names {
+	t := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
+	idx := func(suffix string) string { return pgx.Identifier{cfg.Table + suffix}.Sanitize() }
+	sum := sha256.Sum256([]byte(cfg.Schema + "." + cfg.Table))
+	n := &names{
+		schema: cfg.Schema, table: cfg.Table, qtable: t,
+		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
+		// A channel name is an identifier (at most 63 bytes): a hash of schema and table
+		// keeps it short and unique per table.
+		channel: "watermill_inbox_deferred_" + hex.EncodeToString(sum[:8]),
+		tmpl: map[string]string{
+			"Table":            t,
+			"FreeIndex":        idx("_free_idx"),
+			"PredecessorIndex": idx("_predecessor_idx"),
+			"UnfinishedIndex":  idx("_unfinished_idx"),
+			"SequenceIndex":    idx("_sequence_idx"),
+			"ProcessingIndex":  idx("_processing_idx"),
+			"DeadIndex":        idx("_dead_idx"),
+			"DoneAtIndex":      idx("_done_at_idx"),
+		},
+	}
+	n.receiveSQL = `WITH ins AS (
+  INSERT INTO ` + t + ` (message_id, consumer_name, message_uuid, aggregate_key, producer_seq, topic, payload, payload_hash, metadata)
+  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+  ON CONFLICT (message_id, consumer_name) DO NOTHING
+  RETURNING id)
+SELECT ins.id FROM ins`
+	n.hashSQL = "SELECT payload_hash FROM " + t + " WHERE message_id = $1 AND consumer_name = $2"
+
+	// The claim (see docs/store-then-process.md, "The claim"): a skip scan over the aggregates
+	// that have unfinished rows, starting after a cursor ($5, the last aggregate key the
+	// worker's previous claim reached, so every aggregate gets its turn), takes each one's head
+	// row (the first unfinished row in the aggregate's order); a head that is pending, due, and
+	// whose aggregate has no row in processing is a candidate. Rows without an aggregate are
+	// candidates in arrival order. The candidates are locked FOR UPDATE SKIP LOCKED, rechecked
+	// as pending, and set processing.
+	unfinished := "e.status <> 'done'"
+	if cfg.AfterDead == ContinueAggregate {
+		unfinished = "e.status IN ('pending', 'processing')"
+	}
+	headOrder, headCols, headCheck := "e.id", "e.id, e.status, e.next_attempt_at", ""
+	if cfg.Ordering == OrderProducerSequence {
+		headOrder = "e.producer_seq, e.id"
+		headCols += ", e.producer_seq"
+		headCheck = `
+    AND (h.producer_seq = ` + strconv.FormatInt(cfg.FirstSequence, 10) + ` OR EXISTS (
+      SELECT 1 FROM ` + t + ` q
+      WHERE q.consumer_name = $1 AND q.aggregate_key = a.k AND q.producer_seq IS NOT NULL
+        AND q.producer_seq = h.producer_seq - 1))`
+	}
+	seqFilter := ""
+	if cfg.Ordering == OrderProducerSequence {
+		seqFilter = " AND e.producer_seq IS NOT NULL"
+	}
+	n.claimSQL = `WITH RECURSIVE aggs(k) AS (
+  (SELECT e.aggregate_key FROM ` + t + ` e
+   WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL AND e.aggregate_key > $5
+   ORDER BY e.aggregate_key LIMIT 1)
+  UNION ALL
+  SELECT (SELECT e.aggregate_key FROM ` + t + ` e
+          WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL AND e.aggregate_key > a.k
+          ORDER BY e.aggregate_key LIMIT 1)
+  FROM aggs a WHERE a.k IS NOT NULL),
+heads AS (
+  SELECT h.id, a.k FROM aggs a
+  CROSS JOIN LATERAL (
+    SELECT ` + headCols + ` FROM ` + t + ` e
+    WHERE e.consumer_name = $1 AND e.aggregate_key = a.k AND ` + unfinished + seqFilter + `
+    ORDER BY ` + headOrder + ` LIMIT 1) h
+  WHERE a.k IS NOT NULL AND h.status = 'pending' AND h.next_attempt_at <= now()
+    AND NOT EXISTS (
+      SELECT 1 FROM ` + t + ` p
+      WHERE p.consumer_name = $1 AND p.aggregate_key = a.k AND p.status = 'processing')` + headCheck + `
+  LIMIT $2),
+cand AS (
+  SELECT id FROM heads
+  UNION ALL
+  (SELECT e.id FROM ` + t + ` e
+   WHERE e.consumer_name = $1 AND e.status = 'pending' AND e.aggregate_key IS NULL AND e.next_attempt_at <= now()
+   ORDER BY e.id LIMIT $2)),
+c AS (
+  SELECT r.id FROM ` + t + ` r
+  WHERE r.id IN (SELECT id FROM cand) AND r.status = 'pending' AND r.next_attempt_at <= now()
+  ORDER BY r.id LIMIT $2
+  FOR UPDATE OF r SKIP LOCKED)
+UPDATE ` + t + ` t SET status = 'processing', claimed_at = now(), claimed_by = $3, claim_token = $4
+FROM c WHERE t.id = c.id
+RETURNING t.id, t.message_id, t.message_uuid, t.aggregate_key, t.topic, t.payload, t.metadata, t.attempts, t.received_at`
+
+	n.countSQL = "UPDATE " + t + " SET attempts = attempts + 1, claimed_at = now()" +
+		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING attempts"
+	n.lockSQL = "SELECT attempts FROM " + t + " WHERE id = $1 AND claim_token = $2 AND status = 'processing' FOR UPDATE"
+	// Fails (division_by_zero) when the token no longer matches, aborting the transaction.
+	n.doneSQL = "WITH u AS (UPDATE " + t + " SET status = 'done', done_at = now(), claim_token = NULL, last_error = NULL" +
+		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING 1)" +
+		" SELECT 1 / (SELECT count(*)::int FROM u)"
+	// $3: dead; $4: delay in seconds; $5: last error; $6: attempts delta.
+	n.failSQL = "UPDATE " + t + " SET status = CASE WHEN $3::boolean THEN 'dead' ELSE 'pending' END," +
+		" dead_at = CASE WHEN $3::boolean THEN now() END," +
+		" next_attempt_at = now() + make_interval(secs => $4::float8)," +
+		" last_error = coalesce($5::text, last_error), attempts = attempts + $6::int," +
+		" claim_token = NULL, claimed_by = NULL, claimed_at = NULL" +
+		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING attempts"
+	n.releaseSQL = "UPDATE " + t + " SET status = 'pending', claim_token = NULL, claimed_by = NULL, claimed_at = NULL" +
+		" WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'processing'"
+	// Rows whose transaction is open are locked: SKIP LOCKED leaves them to their worker.
+	n.reapSQL = `UPDATE ` + t + ` t SET status = 'pending', claim_token = NULL, claimed_by = NULL, claimed_at = NULL, next_attempt_at = now()
+FROM (SELECT id FROM ` + t + `
+      WHERE consumer_name = $1 AND status = 'processing' AND claimed_at < now() - make_interval(secs => $2::float8)
+      LIMIT 1000 FOR UPDATE SKIP LOCKED) s
+WHERE t.id = s.id`
+	n.statsSQL = `SELECT
+  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'pending' AND aggregate_key IS NULL) +
+  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status <> 'done' AND aggregate_key IS NOT NULL AND status = 'pending'),
+  least((SELECT min(received_at) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'pending' AND aggregate_key IS NULL),
+        (SELECT min(received_at) FROM ` + t + ` WHERE consumer_name = $1 AND status <> 'done' AND aggregate_key IS NOT NULL AND status = 'pending')),
+  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'processing'),
+  (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'dead'),
+  now()`
+	n.replaySQL = `WITH r AS (
+  UPDATE ` + t + ` SET status = 'pending', attempts = 0, next_attempt_at = now(), done_at = NULL, dead_at = NULL,
+    claim_token = NULL, claimed_by = NULL, claimed_at = NULL, last_error = NULL
+  WHERE consumer_name = $1 AND status = ANY($2::text[])
+    AND ($3::text[] IS NULL OR message_id = ANY($3::text[]))
+    AND ($4::timestamptz IS NULL OR received_at >= $4)
+    AND ($5::timestamptz IS NULL OR received_at < $5)
+  RETURNING 1)
+SELECT count(*), pg_notify($6, $1::text)::text FROM r`
+	return n
+}
+
+// Migrations returns the migrations in version order, rendered for the inbox's schema and
+// table.
+func (i *Inbox) Migrations() ([]Migration, error) { return i.n.migrations() }
+
+func (n *names) migrations() ([]Migration, error) {
+	entries, err := fs.ReadDir(migrationFiles, "migrations")
+	if err != nil {
+		return nil, err
+	}
+	var out []Migration
+	for _, e := range entries {
+		v, err := strconv.Atoi(strings.SplitN(e.Name(), "_", 2)[0])
+		if err != nil || v < 1 {
+			return nil, fmt.Errorf("deferred: migration file %q has no version prefix", e.Name())
+		}
+		raw, err := migrationFiles.ReadFile(path.Join("migrations", e.Name()))
+		if err != nil {
+			return nil, err
+		}
+		tmpl, err := template.New(e.Name()).Option("missingkey=error").Parse(string(raw))
+		if err != nil {
+			return nil, fmt.Errorf("deferred: migration %s: %w", e.Name(), err)
+		}
+		var buf bytes.Buffer
+		if err := tmpl.Execute(&buf, n.tmpl); err != nil {
+			return nil, fmt.Errorf("deferred: migration %s: %w", e.Name(), err)
+		}
+		out = append(out, Migration{Version: v, Name: e.Name(), SQL: buf.String()})
+	}
+	sort.Slice(out, func(a, b int) bool { return out[a].Version < out[b].Version })
+	return out, nil
+}
+
+func (n *names) versionTableSQL() string {
+	return "CREATE TABLE IF NOT EXISTS " + n.versions + ` (
+    table_name text        NOT NULL,
+    version    integer     NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (table_name, version)
+)`
+}
+
+// MigrationSQL returns every migration as one script, for users who run their own migration
+// tool: it creates the schema when missing and records each version, so a later Migrate does
+// nothing.
+func (i *Inbox) MigrationSQL() (string, error) { return i.n.migrationSQL() }
+
+// MigrationSQL returns the migration script for cfg without a database connection (cfg.Pool
+// may be nil), or an error wrapping inbox.ErrInvalidConfig for invalid names.
+func MigrationSQL(cfg Config) (string, error) {
+	cfg.setDefaults()
+	if cfg.Pool == nil {
+		cfg.Pool = &pgxpool.Pool{} // only names are used
+	}
+	if cfg.ConsumerName == "" {
+		cfg.ConsumerName = "migration"
+	}
+	if err := cfg.Validate(); err != nil {
+		return "", err
+	}
+	return newNames(cfg).migrationSQL()
+}
+
+func (n *names) migrationSQL() (string, error) {
+	ms, err := n.migrations()
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- watermill-inbox store-then-process schema for table %s\nBEGIN;\n", n.qtable)
+	fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", pgx.Identifier{n.schema}.Sanitize())
+	b.WriteString(n.versionTableSQL() + ";\n")
+	for _, m := range ms {
+		fmt.Fprintf(&b, "\n-- %s\n%s\n", m.Name, strings.TrimSpace(m.SQL))
+		fmt.Fprintf(&b, "INSERT INTO %s (table_name, version) VALUES ('%s', %d) ON CONFLICT DO NOTHING;\n",
+			n.versions, strings.ReplaceAll(n.qtable, "'", "''"), m.Version)
+	}
+	b.WriteString("COMMIT;\n")
+	return b.String(), nil
+}
+
+// migrateLockKey is the advisory lock every Migrate call takes (pgstore's, so the two never
+// migrate one schema at the same moment).
+const migrateLockKey = "watermill-inbox:migrate"
+
+// Migrate applies pending migrations in one transaction under a transaction-level advisory
+// lock, so several instances starting at once apply each migration once. It creates the
+// schema when missing. It returns the versions applied (none when current), or the first
+// error, after which nothing is applied.
+func (i *Inbox) Migrate(ctx context.Context) (applied []int, err error) {
+	n := i.n
+	ms, err := n.migrations()
+	if err != nil {
+		return nil, err
+	}
+	err = pgx.BeginFunc(ctx, i.cfg.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", migrateLockKey); err != nil {
+			return fmt.Errorf("deferred: migrate: lock: %w", err)
+		}
+		var exists bool
+		if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", n.schema).Scan(&exists); err != nil {
+			return fmt.Errorf("deferred: migrate: look up schema: %w", err)
+		}
+		if !exists {
+			if _, err := tx.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{n.schema}.Sanitize()); err != nil {
+				return fmt.Errorf("deferred: migrate: create schema: %w", err)
+			}
+		}
+		if _, err := tx.Exec(ctx, n.versionTableSQL()); err != nil {
+			return fmt.Errorf("deferred: migrate: version table: %w", err)
+		}
+		rows, err := tx.Query(ctx, "SELECT version FROM "+n.versions+" WHERE table_name = $1", n.qtable)
+		if err != nil {
+			return fmt.Errorf("deferred: migrate: read versions: %w", err)
+		}
+		versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil {
+			return fmt.Errorf("deferred: migrate: read versions: %w", err)
+		}
+		done := map[int]bool{}
+		for _, v := range versions {
+			done[int(v)] = true
+		}
+		for _, m := range ms {
+			if done[m.Version] {
+				continue
+			}
+			if _, err := tx.Exec(ctx, m.SQL); err != nil {
+				return fmt.Errorf("deferred: migrate: %s: %w", m.Name, err)
+			}
+			if _, err := tx.Exec(ctx, "INSERT INTO "+n.versions+" (table_name, version) VALUES ($1, $2)", n.qtable, m.Version); err != nil {
+				return fmt.Errorf("deferred: migrate: record %s: %w", m.Name, err)
+			}
+			applied = append(applied, m.Version)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return applied, nil
+}
