@@ -149,6 +149,7 @@ type memberRun struct {
 func (i *Inbox) batchMiddleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		d := i.newDelivery(msg)
+		i.startDelivery(d)
 		if d.keyErr != nil || d.braked {
 			return i.immediateDelivery(d, h)
 		}
@@ -246,9 +247,13 @@ func (i *Inbox) awaitBatch(m *member) ([]*message.Message, error) {
 func (i *Inbox) runMember(m *member, t turn) (r memberRun) {
 	m.panicked, m.p = false, nil
 	normal := false
+	var endH func(error) // Config.Tracer's handler phase, ended once
 	defer func() {
 		if normal {
 			return
+		}
+		if endH != nil {
+			endH(errors.New("inbox: the handler panicked or exited"))
 		}
 		p := recover()
 		if p == nil {
@@ -260,13 +265,16 @@ func (i *Inbox) runMember(m *member, t turn) (r memberRun) {
 		m.panicked, m.p = true, p
 		r = memberRun{panicked: true, p: p, err: fmt.Errorf("handler panicked: %v", p)}
 	}()
+	hctx, endPhase := i.startPhase(t.ctx, PhaseHandler)
+	endH = endPhase
 	start := time.Now()
-	produced, err := m.h(m.d.handlerMessage(t.ctx))
+	produced, err := m.h(m.d.handlerMessage(hctx))
 	if err == nil && len(produced) > 0 {
-		err = i.storeProduced(t.ctx, t.tx, produced, m.d.msg)
+		err = i.storeProduced(hctx, t.tx, produced, m.d.msg)
 	}
 	r.handler, r.err = time.Since(start), err
 	normal = true
+	endH(err)
 	return r
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -128,3 +129,74 @@ func (p *recordingPublisher) Publish(_ string, msgs ...*message.Message) error {
 	return nil
 }
 func (p *recordingPublisher) Close() error { return nil }
+
+// TestTracerHookPairsBatched: in the batched mode (group commit) too, every delivery and phase
+// the Tracer starts is ended exactly once and the handler runs in its handler phase's context,
+// through a batch that succeeds and batches in which a member fails or panics (both designs).
+func TestTracerHookPairsBatched(t *testing.T) {
+	for _, mode := range []inbox.BatchMode{inbox.BatchOptimistic, inbox.BatchSavepoints} {
+		t.Run(mode.String(), func(t *testing.T) {
+			ft := &fakeTracer{open: map[string]int{}}
+			store := storetest.NewMemStore()
+			ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "c", MaxAttempts: 5,
+				Tracer: ft, Batch: inbox.BatchConfig{Size: 4, Linger: 50 * time.Millisecond, Mode: mode}}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			runs := map[string]int{}
+			h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				if got := msg.Context().Value(phaseKey{}); got != "handler" {
+					t.Errorf("%s: the handler's context is %v's, want the handler phase's", msg.UUID, got)
+				}
+				mu.Lock()
+				runs[msg.UUID]++
+				mu.Unlock()
+				switch msg.UUID[1:] {
+				case "-fail":
+					return nil, errors.New("fails")
+				case "-panic":
+					panic("boom")
+				}
+				return nil, nil
+			})
+			wave := func(ids ...string) {
+				var wg sync.WaitGroup
+				for _, id := range ids {
+					wg.Go(func() {
+						defer func() { _ = recover() }()
+						msg := message.NewMessage(id, []byte("x"))
+						msg.SetContext(context.Background())
+						_, _ = h(msg)
+					})
+				}
+				wg.Wait()
+			}
+			wave("a-1", "a-2", "a-3", "a-4")
+			wave("b-1", "b-2", "b-fail", "b-4")
+			wave("c-1", "c-panic", "c-3", "c-4")
+			for k, n := range ft.open {
+				if n != 0 {
+					t.Errorf("%s: %d started and not ended\n%v", k, n, ft.events)
+				}
+			}
+			processed := 0
+			for _, o := range ft.outcomes {
+				if o == inbox.OutcomeProcessed {
+					processed++
+				}
+			}
+			if len(ft.outcomes) != 12 || processed != 10 {
+				t.Errorf("outcomes %v: want 12 deliveries ended, 10 processed", ft.outcomes)
+			}
+			for _, id := range []string{"a-1", "b-1", "b-fail", "c-panic", "c-4"} {
+				if runs[id] == 0 {
+					t.Errorf("handler of %s never ran (runs %v)", id, runs)
+				}
+			}
+			if s := ib.Stats(); s.Processed != 10 {
+				t.Errorf("stats %+v: want 10 processed", s)
+			}
+		})
+	}
+}
