@@ -141,6 +141,12 @@ type Config struct {
 	// metrics and tracing. It runs on the delivery's goroutine after the outcome is settled
 	// and before the router acks or nacks, so it must be quick and must not block.
 	Observer Observer
+
+	// TooOld refuses, before the claim, a message whose producer time is older than the
+	// retention window (its inbox row may already be purged) or too far in the future: it
+	// is dead-lettered with its reason and counts no attempt. Off unless
+	// TooOld.ProducerTime is set. See TooOldGuard and docs/retention.md.
+	TooOld TooOldGuard
 }
 
 func (c *Config) setDefaults() {
@@ -174,13 +180,15 @@ func (c *Config) setDefaults() {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
 	c.InvalidKeyBrake.setDefaults()
+	c.TooOld.setDefaults(c.Store)
 }
 
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
 // without a topic (or the reverse), a dead-letter topic on a Store that is not an
-// AttemptStore, MaxAttempts below 1 or an unknown collision policy. New calls it after filling
-// defaults.
+// AttemptStore, MaxAttempts below 1, an unknown collision policy, or a TooOld guard without a
+// window (none set and the Store has no retention window) or with a negative duration. New
+// calls it after filling defaults.
 func (c Config) Validate() error {
 	if c.Store == nil {
 		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
@@ -213,5 +221,5 @@ func (c Config) Validate() error {
 	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
 		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)
 	}
-	return nil
+	return c.TooOld.validate()
 }
