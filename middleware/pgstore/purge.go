@@ -211,12 +211,16 @@ func (s *Store) PurgeExpired(ctx context.Context, p PurgeExpiredParams) (PurgeRe
 			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
 				return s.purgeInboxBatch(ctx, c, rep.Cutoff, limit)
 			},
-			func(ctx context.Context, c *pgxpool.Conn) (int64, error) { return s.countExpiredInbox(ctx, c, rep.Cutoff) }},
+			func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
+				return s.countExpiredInbox(ctx, c, rep.Cutoff)
+			}},
 		{PurgeKindAttempts, s.attempts,
 			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
 				return s.purgeAttemptsBatch(ctx, c, rep.Cutoff, limit)
 			},
-			func(ctx context.Context, c *pgxpool.Conn) (int64, error) { return s.countExpiredAttempts(ctx, c, rep.Cutoff) }},
+			func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
+				return s.countExpiredAttempts(ctx, c, rep.Cutoff)
+			}},
 		{PurgeKindDeadLetters, s.attempts,
 			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
 				return s.purgeDeadLettersBatch(ctx, c, rep.DeadLetterCutoff, limit)
