@@ -166,13 +166,11 @@ func UUIDv7Time(id string) (time.Time, bool) {
 	if len(id) != 36 || id[8] != '-' || id[13] != '-' || id[18] != '-' || id[23] != '-' || id[14] != '7' {
 		return time.Time{}, false
 	}
-	var b [6]byte
-	if _, err := hex.Decode(b[:4], []byte(id[0:8])); err != nil {
+	var raw [16]byte
+	if _, err := hex.Decode(raw[:], []byte(id[0:8]+id[9:13]+id[14:18]+id[19:23]+id[24:36])); err != nil {
 		return time.Time{}, false
 	}
-	if _, err := hex.Decode(b[4:], []byte(id[9:13])); err != nil {
-		return time.Time{}, false
-	}
+	b := raw[:6]
 	if v := id[19]; !strings.ContainsRune("89abAB", rune(v)) { // the RFC 9562 variant
 		return time.Time{}, false
 	}
