@@ -40,7 +40,7 @@ type TableStats struct {
 // relSizeSQL sums pg_table_size and pg_indexes_size over a table's partition tree (the table
 // itself when it is not partitioned).
 const relSizeSQL = "SELECT coalesce(sum(pg_table_size(relid)), 0)::bigint, coalesce(sum(pg_indexes_size(relid)), 0)::bigint" +
-	" FROM pg_partition_tree($1::regclass)"
+	" FROM (SELECT relid FROM pg_partition_tree($1::regclass) UNION SELECT $1::regclass) AS tree(relid)"
 
 // Stats reads the table statistics. It scans the inbox table (count(*), min, max, group by
 // consumer), so on a large table it costs what a sequential scan costs. Errors are the
