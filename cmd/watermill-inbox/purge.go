@@ -112,7 +112,11 @@ func purgeCmd() *cobra.Command {
 				return usageError{fmt.Errorf("--batch-size must be at least 1")}
 			}
 			for _, t := range topics {
-				p.Topics = append(p.Topics, pgstore.WatermillTopic{Schema: topicSchema, Topic: t})
+				wt := pgstore.WatermillTopic{Schema: topicSchema, Topic: t}
+				if err := wt.Validate(); err != nil {
+					return usageError{err}
+				}
+				p.Topics = append(p.Topics, wt)
 			}
 			store, pool, err := f.connect(cmd.Context(), pgstore.Config{Retention: r})
 			if err != nil {

@@ -75,7 +75,7 @@ func TestPurgeCommand(t *testing.T) {
 	holder.Release()
 
 	out, err = run(t, purge...)
-	if err != nil || !strings.Contains(out, "total: deleted 18 rows") {
+	if err != nil || !strings.Contains(out, "total: deleted 18 rows") || !strings.Contains(out, "rows deleted in 3 batches done") {
 		t.Fatalf("purge: %v\n%s", err, out)
 	}
 	if n := rowCount(t, sch, "SELECT count(*) FROM inbox_processed_messages WHERE message_id LIKE 'new%'"); n != 5 || total() != before-18 {

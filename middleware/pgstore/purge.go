@@ -37,6 +37,13 @@ type WatermillTopic struct {
 	Topic string
 }
 
+// Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Topic or Schema
+// name (see ValidateIdentifier).
+func (w WatermillTopic) Validate() error {
+	_, _, err := w.tables()
+	return err
+}
+
 func (w WatermillTopic) tables() (messages, offsets string, err error) {
 	if err := ValidateIdentifier("pgstore: watermill topic", w.Topic, 63-len("watermill_offsets_")); err != nil {
 		return "", "", err
