@@ -61,6 +61,12 @@ func TestPurgeCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	held := true
+	t.Cleanup(func() { // on a failure, before the pool closes
+		if held {
+			holder.Release()
+		}
+	})
 	lock := "watermill-inbox:purge:" + `"` + sch.Name + `"."inbox_processed_messages"`
 	if _, err := holder.Exec(context.Background(), "SELECT pg_advisory_lock(hashtextextended($1, 0))", lock); err != nil {
 		t.Fatal(err)
@@ -73,6 +79,7 @@ func TestPurgeCommand(t *testing.T) {
 		t.Fatal(err)
 	}
 	holder.Release()
+	held = false
 
 	out, err = run(t, purge...)
 	if err != nil || !strings.Contains(out, "total: deleted 18 rows") || !strings.Contains(out, "rows deleted in 3 batches done") {

@@ -117,6 +117,12 @@ func TestPurgeNeverDeletesInsideTheWindow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	held := true
+	t.Cleanup(func() { // on a failure, before the pool closes
+		if held {
+			holder.Release()
+		}
+	})
 	lockKey := s.Table() + "\x1f" + "c" + "\x1f" + "a-held"
 	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(hashtextextended($1, 0))", lockKey); err != nil {
 		t.Fatal(err)
@@ -191,6 +197,7 @@ func TestPurgeNeverDeletesInsideTheWindow(t *testing.T) {
 		t.Fatal(err)
 	}
 	holder.Release()
+	held = false
 	if _, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{Pause: -1}); err != nil {
 		t.Fatal(err)
 	}
