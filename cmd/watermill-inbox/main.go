@@ -8,8 +8,18 @@
 //	watermill-inbox deferred replay --consumer billing --status dead
 //	watermill-inbox --version
 //
-// The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL). Exit
-// status: 0 on success, 1 on any error (printed to standard error; a URL's password never is).
+//	watermill-inbox purge --window 14d [--dry-run] [--topic inbox_outbox]
+//	watermill-inbox stats [--json]
+//	watermill-inbox dead list [--consumer billing] [--since 24h] [--json]
+//	watermill-inbox dead replay <message-id> --consumer billing
+//	watermill-inbox dead replay --consumer billing --since 2026-11-30T00:00:00Z
+//
+// The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL). Errors
+// are printed to standard error; a URL's password never is. Exit status (see exitCode): 0 on
+// success, 1 on an error while running (the database refused, a key is not dead-lettered), 2
+// on a usage error (an unknown flag or command, a bad flag value, no database URL, an invalid
+// name, a retention window shorter than the declared redelivery window plus margin), 3 when
+// purge found another purge of the same table running (nothing was done; try again later).
 package main
 
 import (
@@ -39,7 +49,8 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := rootCmd().ExecuteContext(ctx); err != nil {
-		os.Exit(1)
+		stop()
+		os.Exit(exitCode(err))
 	}
 }
 
@@ -73,6 +84,10 @@ func rootCmd() *cobra.Command {
 	root.AddCommand(migrateCmd())
 	root.AddCommand(partitionsCmd())
 	root.AddCommand(deferredCmd())
+	root.AddCommand(purgeCmd())
+	root.AddCommand(statsCmd())
+	root.AddCommand(deadCmd())
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	return root
 }
 

@@ -3,7 +3,6 @@ package inbox
 import (
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -11,8 +10,11 @@ import (
 // ProducerTimeReader returns when the producer created msg (ok false when msg carries no
 // producer time; err for one that is present but unreadable). Config.ProducerTime takes one.
 // It must return the same time for every copy of a message, producer retries included: set
-// once when the event is created, like its ID.
-type ProducerTimeReader = func(msg *message.Message) (t time.Time, ok bool, err error)
+// once when the event is created, like its ID. It is the same type as ProducerTimeFunc, so one
+// extractor (ProducerTimeFromUUIDv7, ProducerTimeFromMetadata) serves both Config.ProducerTime
+// and TooOldGuard.ProducerTime; give both the same one, so that a message too old for its
+// partition to exist any more is dead-lettered as too old rather than refused by the claim.
+type ProducerTimeReader = ProducerTimeFunc
 
 // ClaimChecker is an optional capability of a Store whose layout accepts only some keys or
 // needs more than the key: pgstore's compact layout stores message IDs as the uuid type, and

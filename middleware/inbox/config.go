@@ -156,6 +156,12 @@ type Config struct {
 	// transaction and one COMMIT (the Store must implement BatchStore). The zero value is off:
 	// one transaction per delivery. See BatchConfig and docs/design.md, "Batched mode".
 	Batch BatchConfig
+
+	// TooOld refuses, before the claim, a message whose producer time is older than the
+	// retention window (its inbox row may already be purged) or too far in the future: it
+	// is dead-lettered with its reason and counts no attempt. Off unless
+	// TooOld.ProducerTime is set. See TooOldGuard and docs/retention.md.
+	TooOld TooOldGuard
 }
 
 func (c *Config) setDefaults() {
@@ -190,15 +196,17 @@ func (c *Config) setDefaults() {
 	}
 	c.InvalidKeyBrake.setDefaults()
 	c.Batch.setDefaults()
+	c.TooOld.setDefaults(c.Store)
 }
 
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
 // without a topic (or the reverse), a dead-letter topic on a Store that is not an
 // AttemptStore, MaxAttempts below 1, a Store that needs producer times (ClaimChecker) without
-// ProducerTime, an unknown collision policy, or a Batch setting that is negative, above
-// MaxBatchSize, of an unknown Mode, or on a Store that is not a BatchStore. New calls it after
-// filling defaults.
+// ProducerTime, an unknown collision policy, a Batch setting that is negative, above
+// MaxBatchSize, of an unknown Mode, or on a Store that is not a BatchStore, or a TooOld guard
+// without a window (none set and the Store has no retention window) or with a negative
+// duration. New calls it after filling defaults.
 func (c Config) Validate() error {
 	if c.Store == nil {
 		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
@@ -237,5 +245,5 @@ func (c Config) Validate() error {
 	if err := c.Batch.validate(c.Store); err != nil {
 		return err
 	}
-	return nil
+	return c.TooOld.validate()
 }

@@ -130,6 +130,7 @@ func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub m
 	for _, k := range deadLetterKeys {
 		delete(m.Metadata, k)
 	}
+	m.Metadata.Set(DeadLetterReplayedKey, "true") // the TooOldGuard lets an operator's replay through
 	if err := pub.Publish(topic, m); err != nil {
 		as := i.cfg.Store.(AttemptStore) // Replay succeeded, so it is one
 		if merr := as.MarkDeadLettered(context.WithoutCancel(ctx), AttemptParams{Key: Key{MessageID: key, ConsumerName: i.cfg.ConsumerName},

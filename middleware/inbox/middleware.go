@@ -290,6 +290,9 @@ func (i *Inbox) deliver(d *delivery, h message.HandlerFunc) *failure {
 	if d.keyErr != nil {
 		return &failure{kind: failMessage, err: d.keyErr}
 	}
+	if f := i.checkProducerTime(d); f != nil {
+		return f // too old or future-dated (TooOldGuard): before the claim, so no attempt counts
+	}
 	backoff := i.cfg.TxRetryBackoff
 	for retry := 0; ; retry++ {
 		f := i.try(d, h)

@@ -93,6 +93,12 @@ type Config struct {
 	// Partitioning, when set, turns on partitioned mode (range partitions on the producer
 	// time; expired partitions dropped by PartitionManager). Nil: one plain table.
 	Partitioning *Partitioning
+	// Retention is the table's retention window, used by PurgeExpired (and the background
+	// purger and the CLI's purge built on it) and by the inbox's TooOldGuard. A zero value
+	// means none is configured: PurgeExpired refuses to run. Any field set: defaults fill
+	// the rest, and New refuses a window shorter than MaxRedelivery + Margin with an
+	// *inbox.RetentionError (see inbox.Retention and docs/retention.md).
+	Retention inbox.Retention
 }
 
 // Store is the pgx v5 inbox store. It is safe for concurrent use.
@@ -122,7 +128,8 @@ var (
 )
 
 // New returns a Store on pool, or an error wrapping inbox.ErrInvalidConfig for a nil pool, an
-// invalid schema or table name, or a negative timeout. It does not touch the database; call
+// invalid schema or table name, a negative timeout, or a refused retention window (an
+// *inbox.RetentionError). It does not touch the database; call
 // Migrate (or run the script from MigrationSQL) before the first claim.
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if pool == nil {
@@ -130,6 +137,12 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	}
 	if cfg.LockTimeout < 0 || cfg.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: pgstore: negative timeout", inbox.ErrInvalidConfig)
+	}
+	if cfg.Retention != (inbox.Retention{}) {
+		if err := cfg.Retention.Validate(); err != nil {
+			return nil, err
+		}
+		cfg.Retention = cfg.Retention.WithDefaults()
 	}
 	s, err := newNames(cfg)
 	if err != nil {
@@ -504,10 +517,11 @@ func (s *Store) adjust(ctx context.Context, q querier, p inbox.AttemptParams) (i
 }
 
 // MarkDeadLettered implements inbox.AttemptStore. It creates the attempt record when it does
-// not exist (a message dead-lettered on its first delivery).
+// not exist (a message dead-lettered before any attempt was counted, such as a message the
+// TooOldGuard refused), with zero attempts.
 func (s *Store) MarkDeadLettered(ctx context.Context, p inbox.AttemptParams) error {
-	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, dead_lettered_at, dead_letter_reason)"+
-		" VALUES ($1, $2, now(), $3) ON CONFLICT (message_id, consumer_name) DO UPDATE"+
+	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.attempts+" AS a (message_id, consumer_name, attempts, dead_lettered_at, dead_letter_reason)"+
+		" VALUES ($1, $2, 0, now(), $3) ON CONFLICT (message_id, consumer_name) DO UPDATE"+
 		" SET dead_lettered_at = now(), dead_letter_reason = EXCLUDED.dead_letter_reason",
 		p.Key.MessageID, p.Key.ConsumerName, truncateUTF8(p.Error, maxErrorBytes))
 	if err != nil {

@@ -1,0 +1,183 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// days is a duration flag that also accepts days ("14d", "1.5d") beside Go durations ("36h").
+type days struct{ d *time.Duration }
+
+func (v days) String() string {
+	if v.d == nil || *v.d == 0 {
+		return ""
+	}
+	if *v.d%(24*time.Hour) == 0 {
+		return strconv.FormatInt(int64(*v.d/(24*time.Hour)), 10) + "d"
+	}
+	return v.d.String()
+}
+
+func (v days) Set(s string) error {
+	if n, ok := strings.CutSuffix(s, "d"); ok {
+		f, err := strconv.ParseFloat(n, 64)
+		if err != nil || f < 0 {
+			return fmt.Errorf("want a duration such as 14d or 36h, got %q", s)
+		}
+		*v.d = time.Duration(f * float64(24*time.Hour))
+		return nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d < 0 {
+		return fmt.Errorf("want a duration such as 14d or 36h, got %q", s)
+	}
+	*v.d = d
+	return nil
+}
+
+func (days) Type() string { return "duration" }
+
+// connect validates the store configuration, then opens a small pool and pings it. Invalid
+// names or windows and a missing URL are usage errors, reported before connecting.
+func (f *storeFlags) connect(ctx context.Context, cfg pgstore.Config) (*pgstore.Store, *pgxpool.Pool, error) {
+	cfg.Schema, cfg.Table = f.schema, f.table
+	if _, err := pgstore.MigrationSQL(cfg); err != nil {
+		return nil, nil, usageError{err}
+	}
+	if cfg.Retention != (inbox.Retention{}) {
+		if err := cfg.Retention.Validate(); err != nil {
+			return nil, nil, usageError{err}
+		}
+	}
+	url := f.url()
+	if url == "" {
+		return nil, nil, usageError{fmt.Errorf("no database URL: pass --database-url or set INBOX_DATABASE_URL")}
+	}
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, nil, usageError{fmt.Errorf("database URL: %w", err)} // pgx redacts the password
+	}
+	pcfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect: %w", err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("connect: %w", err)
+	}
+	store, err := pgstore.New(pool, cfg)
+	if err != nil {
+		pool.Close()
+		return nil, nil, usageError{err}
+	}
+	return store, pool, nil
+}
+
+func purgeCmd() *cobra.Command {
+	var f storeFlags
+	var r inbox.Retention
+	var p pgstore.PurgeExpiredParams
+	var topics []string
+	var topicSchema string
+	cmd := &cobra.Command{
+		Use:   "purge --window 14d",
+		Short: "Delete rows that have left the retention window, in bounded batches",
+		Long: "Deletes, in batches of --batch-size rows per transaction with --pause between batches:\n" +
+			"processed rows older than --window, attempt records of unsettled messages older than\n" +
+			"--window (never one a delivery holds), dead-lettered records older than\n" +
+			"--dead-letter-window, and the rows of each --topic (watermill-sql) that every consumer\n" +
+			"group has consumed and that are older than --window. The window is refused when it is\n" +
+			"shorter than --max-redelivery plus --margin. One purge runs at a time per table: a\n" +
+			"second one exits with status 3. --dry-run prints what would be deleted and changes\n" +
+			"nothing. See docs/retention.md.",
+		Args: usageArgs(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if r.Window == 0 {
+				return usageError{fmt.Errorf("--window is required: the retention window your consumers are configured with (e.g. 14d)")}
+			}
+			if p.BatchSize < 1 {
+				return usageError{fmt.Errorf("--batch-size must be at least 1")}
+			}
+			for _, t := range topics {
+				wt := pgstore.WatermillTopic{Schema: topicSchema, Topic: t}
+				if err := wt.Validate(); err != nil {
+					return usageError{err}
+				}
+				p.Topics = append(p.Topics, wt)
+			}
+			store, pool, err := f.connect(cmd.Context(), pgstore.Config{Retention: r})
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			out, errOut := cmd.OutOrStdout(), cmd.ErrOrStderr()
+			p.Progress = progressPrinter(errOut, p.DryRun)
+			rep, err := store.PurgeExpired(cmd.Context(), p)
+			if err != nil {
+				if rep.Now.IsZero() {
+					return err
+				}
+				printReport(out, store, rep)
+				return err
+			}
+			printReport(out, store, rep)
+			return nil
+		},
+	}
+	f.register(cmd)
+	fl := cmd.Flags()
+	fl.Var(days{&r.Window}, "window", "retention window of processed rows (required), e.g. 14d or 36h")
+	fl.Var(days{&r.MaxRedelivery}, "max-redelivery", "the longest time a copy of a message can still arrive (default 7d)")
+	fl.Var(days{&r.Margin}, "margin", "added to --max-redelivery to get the shortest accepted window (default 1d)")
+	fl.Var(days{&r.DeadLetterWindow}, "dead-letter-window", "how long dead-lettered records are kept (default 30d, at least --window)")
+	fl.IntVar(&p.BatchSize, "batch-size", pgstore.DefaultPurgeBatchSize, "rows deleted per transaction")
+	fl.DurationVar(&p.Pause, "pause", pgstore.DefaultPurgePause, "pause between batches")
+	fl.StringArrayVar(&topics, "topic", nil, "a watermill-sql topic whose consumed rows are purged too (repeatable), e.g. inbox_outbox")
+	fl.StringVar(&topicSchema, "topic-schema", "", "schema of the --topic tables (default: the connection's search_path)")
+	fl.BoolVar(&p.DryRun, "dry-run", false, "print what would be deleted; delete nothing")
+	return cmd
+}
+
+// progressPrinter reports a long purge on w: a line per table at most every 2 seconds, and
+// when the table is done.
+func progressPrinter(w io.Writer, dry bool) func(pgstore.PurgeProgress) {
+	last := time.Now()
+	return func(pr pgstore.PurgeProgress) {
+		if dry || (!pr.Done && time.Since(last) < 2*time.Second) {
+			return
+		}
+		last = time.Now()
+		state := "..."
+		if pr.Done {
+			state = "done"
+		}
+		fmt.Fprintf(w, "purge %-12s %s: %d rows deleted in %d batches %s\n", pr.Kind, pr.Table, pr.Rows, pr.Batches, state)
+	}
+}
+
+func printReport(w io.Writer, store *pgstore.Store, rep pgstore.PurgeReport) {
+	ret, _ := store.Retention()
+	verb := "deleted"
+	if rep.DryRun {
+		verb = "would delete"
+	}
+	fmt.Fprintf(w, "retention window %s (dead letters %s); database time %s\n", days{&ret.Window}, days{&ret.DeadLetterWindow}, rep.Now.UTC().Format(time.RFC3339))
+	fmt.Fprintf(w, "cutoff %s, dead-letter cutoff %s\n", rep.Cutoff.UTC().Format(time.RFC3339), rep.DeadLetterCutoff.UTC().Format(time.RFC3339))
+	for _, t := range rep.Tables {
+		fmt.Fprintf(w, "%-12s %s: %s %d rows\n", t.Kind, t.Table, verb, t.Rows)
+	}
+	fmt.Fprintf(w, "total: %s %d rows\n", verb, rep.Rows())
+}

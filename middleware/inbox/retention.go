@@ -1,0 +1,293 @@
+package inbox
+
+import (
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Defaults of Retention (docs/retention.md explains how to choose each).
+const (
+	// DefaultMaxRedelivery is the declared longest time after its first delivery that a copy
+	// of a message can still arrive (the broker's longest redelivery delay, a dead-letter
+	// replay, an offset reset or topic replay an operator may run): 7 days.
+	DefaultMaxRedelivery = 7 * 24 * time.Hour
+	// DefaultRetentionMargin is added to MaxRedelivery to get the shortest accepted
+	// retention window: 1 day.
+	DefaultRetentionMargin = 24 * time.Hour
+	// DefaultRetentionWindow is the retention window when none is set: 14 days (the seed's
+	// placeholder; at least DefaultMaxRedelivery + DefaultRetentionMargin).
+	DefaultRetentionWindow = 14 * 24 * time.Hour
+	// DefaultDeadLetterWindow is how long a dead-lettered attempt record is kept when none
+	// is set: 30 days. It is evidence an operator needs until the message is replayed.
+	DefaultDeadLetterWindow = 30 * 24 * time.Hour
+	// DefaultMaxClockSkew is how far in the future a producer time may lie before the
+	// message is refused (TooOldGuard): 5 minutes.
+	DefaultMaxClockSkew = 5 * time.Minute
+)
+
+// ReasonTooOld is the dead-letter reason of a message whose producer time is older than the
+// retention window (TooOldGuard): its inbox row may already be purged, so it cannot be
+// deduplicated.
+const ReasonTooOld = "older than the retention window"
+
+// ReasonFutureProducerTime is the dead-letter reason of a message whose producer time lies
+// further in the future than TooOldGuard.MaxClockSkew.
+const ReasonFutureProducerTime = "producer time in the future beyond the allowed clock skew"
+
+// ErrTooOld is wrapped (and marked Permanent) for a message older than the retention window.
+var ErrTooOld = errors.New("inbox: message " + ReasonTooOld + "; its inbox row may have been purged, so it cannot be deduplicated")
+
+// ErrFutureProducerTime is wrapped (and marked Permanent) for a message whose producer time
+// lies in the future beyond TooOldGuard.MaxClockSkew.
+var ErrFutureProducerTime = errors.New("inbox: " + ReasonFutureProducerTime)
+
+// DeadLetterReplayedKey is the metadata field ReplayDeadLetter sets on the message it
+// republishes. The TooOldGuard lets a message carrying it through: an operator who replays a
+// dead letter has decided it must run.
+const DeadLetterReplayedKey = "inbox_replayed"
+
+// Retention is a store's retention setting: how long the evidence that a message was
+// processed is kept. Purging a row before the last possible redelivery of its message lets
+// that duplicate through silently, so the window is validated against a declared longest
+// redelivery window plus a margin.
+type Retention struct {
+	// Window is how long processed rows (and attempt records of messages neither processed
+	// nor dead-lettered) are kept, measured from when they were written. Default:
+	// DefaultRetentionWindow. Must be at least MaxRedelivery + Margin.
+	Window time.Duration
+	// MaxRedelivery declares the longest time a copy of a message can arrive after the first
+	// one: the broker's longest redelivery delay, dead-letter replays, offset resets and
+	// topic replays you support. Default: DefaultMaxRedelivery.
+	MaxRedelivery time.Duration
+	// Margin is added to MaxRedelivery. Default: DefaultRetentionMargin.
+	Margin time.Duration
+	// DeadLetterWindow is how long a dead-lettered attempt record is kept, from when it was
+	// dead-lettered. Default: DefaultDeadLetterWindow, or Window when that is longer. Must be
+	// at least Window.
+	DeadLetterWindow time.Duration
+}
+
+// WithDefaults returns r with zero fields set to the defaults documented on each field.
+func (r Retention) WithDefaults() Retention {
+	if r.Window == 0 {
+		r.Window = DefaultRetentionWindow
+	}
+	if r.MaxRedelivery == 0 {
+		r.MaxRedelivery = DefaultMaxRedelivery
+	}
+	if r.Margin == 0 {
+		r.Margin = DefaultRetentionMargin
+	}
+	if r.DeadLetterWindow == 0 {
+		r.DeadLetterWindow = max(DefaultDeadLetterWindow, r.Window)
+	}
+	return r
+}
+
+// RetentionError reports a retention setting that is refused. It wraps ErrInvalidConfig.
+type RetentionError struct {
+	// Field names the setting at fault: "Window", "MaxRedelivery", "Margin" or
+	// "DeadLetterWindow".
+	Field string
+	// Retention is the refused setting, defaults filled.
+	Retention Retention
+	// Reason says why.
+	Reason string
+}
+
+// Error returns "inbox: invalid configuration: retention <field>: <reason>".
+func (e *RetentionError) Error() string {
+	return fmt.Sprintf("%v: retention %s: %s", ErrInvalidConfig, e.Field, e.Reason)
+}
+
+// Unwrap returns ErrInvalidConfig.
+func (e *RetentionError) Unwrap() error { return ErrInvalidConfig }
+
+// Validate fills defaults and returns a *RetentionError when a duration is negative, when
+// Window is shorter than MaxRedelivery + Margin (a row could be purged while a copy of its
+// message can still arrive: that copy would be processed again), or when DeadLetterWindow is
+// shorter than Window.
+func (r Retention) Validate() error {
+	r = r.WithDefaults()
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"Window", r.Window}, {"MaxRedelivery", r.MaxRedelivery}, {"Margin", r.Margin}, {"DeadLetterWindow", r.DeadLetterWindow}} {
+		if f.d < 0 {
+			return &RetentionError{Field: f.name, Retention: r, Reason: "must not be negative"}
+		}
+	}
+	if need := r.MaxRedelivery + r.Margin; r.Window < need {
+		return &RetentionError{Field: "Window", Retention: r, Reason: fmt.Sprintf(
+			"%s is shorter than the longest redelivery window (%s) plus the margin (%s) = %s: a row purged before the last possible redelivery of its message lets that duplicate through; lengthen Window or declare a shorter MaxRedelivery",
+			r.Window, r.MaxRedelivery, r.Margin, need)}
+	}
+	if r.DeadLetterWindow < r.Window {
+		return &RetentionError{Field: "DeadLetterWindow", Retention: r, Reason: fmt.Sprintf(
+			"%s is shorter than the retention window %s: dead-lettered records are evidence an operator needs until replayed", r.DeadLetterWindow, r.Window)}
+	}
+	return nil
+}
+
+// RetentionStore is an optional capability of a Store configured with a retention window
+// (pgstore.Config.Retention). The TooOldGuard takes its window from it when
+// TooOldGuard.Window is zero.
+type RetentionStore interface {
+	// Retention returns the store's validated retention setting, defaults filled, and false
+	// when none is configured.
+	Retention() (Retention, bool)
+}
+
+// ProducerTimeFunc returns when the producer created msg: ok is false when msg carries no
+// producer time (the check is then skipped); err reports a producer time that is present but
+// unreadable (the message is then refused as permanent).
+type ProducerTimeFunc func(msg *message.Message) (t time.Time, ok bool, err error)
+
+// ProducerTimeFromUUIDv7 reads the producer time from the message UUID when it is a UUIDv7
+// (RFC 9562: its first 48 bits are the Unix time in milliseconds). Any other UUID, or a
+// message ID that is not a UUID, has no producer time.
+func ProducerTimeFromUUIDv7() ProducerTimeFunc {
+	return func(msg *message.Message) (time.Time, bool, error) {
+		t, ok := UUIDv7Time(msg.UUID)
+		return t, ok, nil
+	}
+}
+
+// UUIDv7Time returns the Unix-millisecond timestamp embedded in a UUIDv7 given in its
+// canonical 36-character form (RFC 9562, section 5.7), and false for any other string.
+func UUIDv7Time(id string) (time.Time, bool) {
+	if len(id) != 36 || id[8] != '-' || id[13] != '-' || id[18] != '-' || id[23] != '-' || id[14] != '7' {
+		return time.Time{}, false
+	}
+	var raw [16]byte
+	if _, err := hex.Decode(raw[:], []byte(id[0:8]+id[9:13]+id[14:18]+id[19:23]+id[24:36])); err != nil {
+		return time.Time{}, false
+	}
+	b := raw[:6]
+	if v := id[19]; !strings.ContainsRune("89abAB", rune(v)) { // the RFC 9562 variant
+		return time.Time{}, false
+	}
+	var ms int64
+	for _, c := range b {
+		ms = ms<<8 | int64(c)
+	}
+	return time.UnixMilli(ms), true
+}
+
+// ProducerTimeFromMetadata reads the producer time from a metadata field the producer sets
+// when it creates the message: RFC 3339 (with or without fractional seconds) or decimal Unix
+// milliseconds. A missing or empty field means no producer time; an unreadable value is an
+// error (the message is refused).
+func ProducerTimeFromMetadata(field string) ProducerTimeFunc {
+	return func(msg *message.Message) (time.Time, bool, error) {
+		v := msg.Metadata.Get(field)
+		if v == "" {
+			return time.Time{}, false, nil
+		}
+		if ms, err := strconv.ParseInt(v, 10, 64); err == nil {
+			return time.UnixMilli(ms), true, nil
+		}
+		t, err := time.Parse(time.RFC3339Nano, v)
+		if err != nil {
+			return time.Time{}, false, fmt.Errorf("inbox: producer time in metadata %q is neither RFC 3339 nor Unix milliseconds (%d bytes)", field, len(v))
+		}
+		return t, true, nil
+	}
+}
+
+// TooOldGuard refuses messages whose producer time says their inbox evidence may already be
+// purged (older than the retention window), or that claim to come from the future. It runs
+// before the claim, so it counts no attempt and writes nothing but the dead-letter record.
+type TooOldGuard struct {
+	// ProducerTime reads a message's producer time (ProducerTimeFromUUIDv7,
+	// ProducerTimeFromMetadata). Nil turns the guard off.
+	ProducerTime ProducerTimeFunc
+	// Window is the age past which a message is too old. Zero: the Store's retention window
+	// (RetentionStore); with neither, New refuses a guard with a ProducerTime.
+	Window time.Duration
+	// ProcessTooOld processes a too-old message anyway, logging a warning, instead of
+	// dead-lettering it with the reason ReasonTooOld (the default).
+	ProcessTooOld bool
+	// MaxClockSkew is how far in the future a producer time may lie. Default:
+	// DefaultMaxClockSkew. A message further ahead is refused (ReasonFutureProducerTime),
+	// whatever ProcessTooOld says.
+	MaxClockSkew time.Duration
+	// Now is the clock the producer time is compared with. Default: time.Now.
+	Now func() time.Time
+}
+
+func (g *TooOldGuard) setDefaults(store Store) {
+	if g.ProducerTime == nil {
+		return
+	}
+	if g.Window == 0 {
+		if rs, ok := store.(RetentionStore); ok {
+			if r, ok := rs.Retention(); ok {
+				g.Window = r.Window
+			}
+		}
+	}
+	if g.MaxClockSkew == 0 {
+		g.MaxClockSkew = DefaultMaxClockSkew
+	}
+	if g.Now == nil {
+		g.Now = time.Now
+	}
+}
+
+func (g TooOldGuard) validate() error {
+	if g.ProducerTime == nil {
+		return nil
+	}
+	if g.Window < 0 || g.MaxClockSkew < 0 {
+		return fmt.Errorf("%w: TooOld: durations must not be negative", ErrInvalidConfig)
+	}
+	if g.Window == 0 {
+		return fmt.Errorf("%w: TooOld: no retention window: set TooOld.Window, or a retention window on the Store (pgstore.Config.Retention)", ErrInvalidConfig)
+	}
+	return nil
+}
+
+// checkProducerTime applies the TooOldGuard before the claim: it returns the failure of a
+// refused message (permanent, with d.res.Reason set, so it is dead-lettered without an
+// attempt), or nil to go on. A message republished by ReplayDeadLetter is let through.
+func (i *Inbox) checkProducerTime(d *delivery) *failure {
+	g := i.cfg.TooOld
+	if g.ProducerTime == nil || d.msg.Metadata.Get(DeadLetterReplayedKey) != "" {
+		return nil
+	}
+	pt, ok, err := g.ProducerTime(d.msg)
+	if err != nil {
+		d.res.Reason = "unreadable producer time: " + err.Error()
+		return &failure{kind: failMessage, err: Permanent(err)}
+	}
+	if !ok {
+		return nil
+	}
+	now := g.Now()
+	switch age := now.Sub(pt); {
+	case -age > g.MaxClockSkew:
+		d.res.Reason = ReasonFutureProducerTime
+		return &failure{kind: failMessage, err: Permanent(fmt.Errorf("%w: producer time %s is %s ahead (limit %s)",
+			ErrFutureProducerTime, pt.UTC().Format(time.RFC3339Nano), (-age).Round(time.Millisecond), g.MaxClockSkew))}
+	case age > g.Window:
+		fields := watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID), "producer_time": pt.UTC().Format(time.RFC3339Nano),
+			"age": age.Round(time.Second).String(), "retention_window": g.Window.String()}
+		if g.ProcessTooOld {
+			i.logger.Info("WARNING: processing a message older than the retention window (TooOld.ProcessTooOld): "+
+				"its inbox row may have been purged, so a duplicate of it is not detected", fields)
+			return nil
+		}
+		d.res.Reason = ReasonTooOld
+		return &failure{kind: failMessage, err: Permanent(fmt.Errorf("%w: producer time %s, age %s, window %s",
+			ErrTooOld, pt.UTC().Format(time.RFC3339Nano), age.Round(time.Second), g.Window))}
+	}
+	return nil
+}

@@ -1,0 +1,95 @@
+package pgstore_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/google/uuid"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// TestPurgeExpiredAndStatsOnEveryLayout: the retention purge and the table statistics work on
+// the compact layout (no consumer_name column) and on partitioned tables (a ctid is unique only
+// within one partition): expired rows go, every row inside the window stays, per consumer.
+func TestPurgeExpiredAndStatsOnEveryLayout(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  pgstore.Config
+	}{
+		{"Compact", pgstore.Config{Layout: pgstore.LayoutCompact}},
+		{"PartitionedFromKey", pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}}},
+		{"CompactPartitioned", pgstore.Config{Layout: pgstore.LayoutCompact,
+			Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := tc.cfg
+			cfg.Retention = hourly
+			s, sch := layoutStore(t, 4, cfg)
+			ctx := context.Background()
+			var old, recent []string
+			for i := range 30 {
+				id, err := uuid.NewV7()
+				if err != nil {
+					t.Fatal(err)
+				}
+				consumer := []string{"billing", "ledger"}[i%2]
+				tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id.String(), ConsumerName: consumer}})
+				if err != nil || !res.Claimed {
+					t.Fatalf("claim %d: %+v, %v", i, res, err)
+				}
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if i < 20 {
+					old = append(old, id.String())
+				} else {
+					recent = append(recent, id.String())
+				}
+			}
+			// Age the first 20 past the 2-hour window (received_at is not the partition key).
+			if _, err := sch.Pool.Exec(ctx, "UPDATE "+s.Table()+" SET received_at = now() - interval '3 hours' WHERE message_id::text = ANY($1)", old); err != nil {
+				t.Fatal(err)
+			}
+			st, err := s.Stats(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.Rows != 30 || st.PerConsumer["billing"] != 15 || st.PerConsumer["ledger"] != 15 {
+				t.Fatalf("stats before: rows %d, per consumer %v; want 30, 15 each", st.Rows, st.PerConsumer)
+			}
+			rep, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{BatchSize: 3, Pause: -1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var deleted int64
+			for _, tb := range rep.Tables {
+				deleted += tb.Rows
+			}
+			if deleted != 20 {
+				t.Errorf("purge report %+v: deleted %d, want 20", rep.Tables, deleted)
+			}
+			left := keys(t, sch, "SELECT message_id::text FROM "+s.Table())
+			if len(left) != 10 {
+				t.Fatalf("rows left %v, want the 10 recent ones", left)
+			}
+			want := map[string]bool{}
+			for _, k := range recent {
+				want[k] = true
+			}
+			for _, k := range left {
+				if !want[k] {
+					t.Errorf("row %s inside the window was deleted or an expired one kept", k)
+				}
+			}
+			st, err = s.Stats(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.Rows != 10 || st.PerConsumer["billing"]+st.PerConsumer["ledger"] != 10 {
+				t.Errorf("stats after: rows %d, per consumer %v; want 10", st.Rows, st.PerConsumer)
+			}
+		})
+	}
+}

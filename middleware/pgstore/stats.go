@@ -1,0 +1,146 @@
+package pgstore
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// TableStats describes the inbox table and its attempts table, for operators (the CLI's
+// stats command) and for sizing the retention window (docs/retention.md).
+type TableStats struct {
+	// Table and AttemptsTable are the quoted table names.
+	Table         string `json:"table"`
+	AttemptsTable string `json:"attempts_table"`
+	// Rows is the exact number of processed rows (count(*)).
+	Rows int64 `json:"rows"`
+	// HeapBytes is pg_table_size (heap, TOAST, free space and visibility maps) and
+	// IndexBytes pg_indexes_size, summed over every partition when the table is partitioned.
+	HeapBytes  int64 `json:"heap_bytes"`
+	IndexBytes int64 `json:"index_bytes"`
+	// BytesPerRow is (HeapBytes + IndexBytes) / Rows; 0 for an empty table. Dead tuples not
+	// yet vacuumed count in the bytes: VACUUM first for a fair figure.
+	BytesPerRow float64 `json:"bytes_per_row"`
+	// Oldest and Newest are the least and greatest received_at; nil for an empty table.
+	Oldest *time.Time `json:"oldest,omitempty"`
+	Newest *time.Time `json:"newest,omitempty"`
+	// PerConsumer counts processed rows by consumer name.
+	PerConsumer map[string]int64 `json:"per_consumer"`
+	// AttemptsPending counts attempt records of messages neither processed nor
+	// dead-lettered; DeadLettered counts dead-lettered records.
+	AttemptsPending int64 `json:"attempts_pending"`
+	DeadLettered    int64 `json:"dead_lettered"`
+	// AttemptsHeapBytes and AttemptsIndexBytes size the attempts table.
+	AttemptsHeapBytes  int64 `json:"attempts_heap_bytes"`
+	AttemptsIndexBytes int64 `json:"attempts_index_bytes"`
+}
+
+// relSizeSQL sums pg_table_size and pg_indexes_size over a table's partition tree (the table
+// itself when it is not partitioned).
+const relSizeSQL = "SELECT coalesce(sum(pg_table_size(relid)), 0)::bigint, coalesce(sum(pg_indexes_size(relid)), 0)::bigint" +
+	" FROM (SELECT relid FROM pg_partition_tree($1::regclass) UNION SELECT $1::regclass) AS tree(relid)"
+
+// Stats reads the table statistics. It scans the inbox table (count(*), min, max, group by
+// consumer), so on a large table it costs what a sequential scan costs. Errors are the
+// database's, wrapped.
+func (s *Store) Stats(ctx context.Context) (TableStats, error) {
+	st := TableStats{Table: s.table, AttemptsTable: s.attempts, PerConsumer: map[string]int64{}}
+	if err := s.pool.QueryRow(ctx, relSizeSQL, s.table).Scan(&st.HeapBytes, &st.IndexBytes); err != nil {
+		return st, fmt.Errorf("stats: size of %s: %w", s.table, err)
+	}
+	if err := s.pool.QueryRow(ctx, relSizeSQL, s.attempts).Scan(&st.AttemptsHeapBytes, &st.AttemptsIndexBytes); err != nil {
+		return st, fmt.Errorf("stats: size of %s: %w", s.attempts, err)
+	}
+	perConsumer := "SELECT consumer_name, count(*), min(received_at), max(received_at) FROM " + s.table + " GROUP BY consumer_name"
+	if s.cfg.Layout == LayoutCompact {
+		// The compact layout keeps a smallint per row; the names are in the consumers table.
+		perConsumer = "SELECT c.consumer_name, count(*), min(t.received_at), max(t.received_at) FROM " + s.table +
+			" t JOIN " + s.consumers + " c USING (consumer_id) GROUP BY c.consumer_name"
+	}
+	rows, err := s.pool.Query(ctx, perConsumer)
+	if err != nil {
+		return st, fmt.Errorf("stats: rows of %s: %w", s.table, err)
+	}
+	for rows.Next() {
+		var name string
+		var n int64
+		var lo, hi time.Time
+		if err := rows.Scan(&name, &n, &lo, &hi); err != nil {
+			rows.Close()
+			return st, fmt.Errorf("stats: %w", err)
+		}
+		st.PerConsumer[name] = n
+		st.Rows += n
+		if st.Oldest == nil || lo.Before(*st.Oldest) {
+			st.Oldest = &lo
+		}
+		if st.Newest == nil || hi.After(*st.Newest) {
+			st.Newest = &hi
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return st, fmt.Errorf("stats: rows of %s: %w", s.table, err)
+	}
+	if st.Rows > 0 {
+		st.BytesPerRow = float64(st.HeapBytes+st.IndexBytes) / float64(st.Rows)
+	}
+	err = s.pool.QueryRow(ctx, "SELECT count(*) FILTER (WHERE dead_lettered_at IS NULL), count(*) FILTER (WHERE dead_lettered_at IS NOT NULL) FROM "+s.attempts).
+		Scan(&st.AttemptsPending, &st.DeadLettered)
+	if err != nil {
+		return st, fmt.Errorf("stats: %s: %w", s.attempts, err)
+	}
+	return st, nil
+}
+
+// DeadLetterRecord is one dead-lettered attempt record.
+type DeadLetterRecord struct {
+	// MessageID is the key (the message UUID, or the business key the inbox was keyed by).
+	MessageID    string    `json:"message_id"`
+	ConsumerName string    `json:"consumer_name"`
+	Attempts     int       `json:"attempts"`
+	Reason       string    `json:"reason"`
+	LastError    string    `json:"last_error,omitempty"`
+	DeadLettered time.Time `json:"dead_lettered_at"`
+}
+
+// DeadLetterFilter selects dead-lettered records for DeadLetters.
+type DeadLetterFilter struct {
+	// ConsumerName, when non-empty, selects one consumer.
+	ConsumerName string
+	// Since, when non-zero, selects records dead-lettered at or after it.
+	Since time.Time
+	// Limit bounds the records returned; zero or negative means no limit.
+	Limit int
+}
+
+// DeadLetters lists dead-lettered records, oldest first. Errors are the database's, wrapped.
+func (s *Store) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLetterRecord, error) {
+	var since any
+	if !f.Since.IsZero() {
+		since = f.Since
+	}
+	var limit any
+	if f.Limit > 0 {
+		limit = f.Limit
+	}
+	rows, err := s.pool.Query(ctx, "SELECT message_id, consumer_name, attempts, coalesce(dead_letter_reason, ''), coalesce(last_error, ''), dead_lettered_at FROM "+s.attempts+
+		" WHERE dead_lettered_at IS NOT NULL AND ($1::text IS NULL OR consumer_name = $1) AND ($2::timestamptz IS NULL OR dead_lettered_at >= $2)"+
+		" ORDER BY dead_lettered_at, consumer_name, message_id LIMIT $3", nullIfEmpty(f.ConsumerName), since, limit)
+	if err != nil {
+		return nil, fmt.Errorf("dead letters: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (DeadLetterRecord, error) {
+		var d DeadLetterRecord
+		var attempts int32
+		err := r.Scan(&d.MessageID, &d.ConsumerName, &attempts, &d.Reason, &d.LastError, &d.DeadLettered)
+		d.Attempts = int(attempts)
+		return d, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dead letters: %w", err)
+	}
+	return out, nil
+}
