@@ -59,6 +59,9 @@ func harness(t testing.TB) adaptertest.Harness {
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 
+// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery figure.
+func TestRecoveryAfterSIGKILL(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) }
+
 func TestConfigValidate(t *testing.T) {
 	for _, cfg := range []nats.Config{
 		{ConsumerGroup: "g"},
