@@ -59,8 +59,21 @@ func harness(t testing.TB) adaptertest.Harness {
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 
-// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery figure.
-func TestRecoveryAfterSIGKILL(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) }
+// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery
+// figures, with the adapter's defaults and with this file's test timings.
+func TestRecoveryAfterSIGKILL(t *testing.T) {
+	t.Run("defaults", func(t *testing.T) {
+		adaptertest.MeasureRecovery(t, adaptertest.Harness{
+			NewBroker: func(_ *pgxpool.Pool, group string) (*adapters.Broker, error) {
+				cfg := testConfig(t, group)
+				cfg.AckWait = 0 // the adapter's default
+				return newBroker(t, cfg)
+			},
+			Timeout: 2 * time.Minute,
+		})
+	})
+	t.Run("test timings", func(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) })
+}
 
 func TestConfigValidate(t *testing.T) {
 	for _, cfg := range []nats.Config{
