@@ -26,6 +26,12 @@ func MeasureRecovery(t *testing.T, h Harness) {
 	if os.Getenv(EnvMeasureRecovery) == "" {
 		t.Skipf("set %s=1 to measure the recovery time after a SIGKILL", EnvMeasureRecovery)
 	}
+	if h.Timeout == 0 {
+		h.Timeout = 30 * time.Second
+	}
+	if h.ChildTest == "" {
+		h.ChildTest = "TestAdapterChild"
+	}
 	f := newFixture(t, h)
 	const n = 400
 	for i := range n {
