@@ -119,8 +119,9 @@ func (t *relayTx) Commit() error {
 	}
 	t.mu.Lock()
 	r.stats.relayed.Add(int64(t.published))
+	did := t.published > 0 || t.skipped > 0
 	t.mu.Unlock()
-	if t.published > 0 || t.skipped > 0 {
+	if did {
 		r.stats.batches.Add(1)
 		r.report(t, true)
 	}
