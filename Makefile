@@ -2,7 +2,7 @@
 GO     ?= go
 BROKER ?= postgres
 
-.PHONY: demo test test-short bench services vet
+.PHONY: demo test test-short bench services vet bench-relay soak
 
 ## demo: the main job: real messages through a real broker, real duplicates, real crashes,
 ## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process).
@@ -39,3 +39,10 @@ services:
 ## (docs/benchmarks.md, "Purge under claims").
 bench-purge:
 	$(GO) test ./middleware/pgstore -run '^$$' -bench PurgeUnderClaims -benchtime 1x -count 3 -timeout 15m
+## bench-relay: the outbox relay's msg/s against its consumer's, per broker (about 100 s).
+bench-relay:
+	$(GO) test ./tests -run '^$$' -bench RelayVsConsumer -benchtime 1500x -timeout 10m
+
+## soak: the billing consumer SIGKILLed every 5-20 s over 100,000 payments (long; never in CI).
+soak:
+	$(GO) run ./examples/billing -broker=$(BROKER) -soak -messages=100000 -timeout=2h

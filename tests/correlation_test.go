@@ -111,8 +111,15 @@ func TestCorrelationIDThroughTheOutbox(t *testing.T) {
 	if c := seen["own"]; c != "set-by-handler" {
 		t.Errorf("an event with its own correlation ID arrived with %q", c)
 	}
+	// The handler reports an event before its inbox transaction commits: wait for the commit.
 	var rows int
-	if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+store.Table()+" WHERE consumer_name = 'audit'").Scan(&rows); err != nil || rows != n+1 {
-		t.Fatalf("audit inbox rows %d (%v), want %d", rows, err, n+1)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+store.Table()+" WHERE consumer_name = 'audit'").Scan(&rows)
+		if err == nil && rows == n+1 {
+			break
+		}
+		if err != nil || time.Now().After(deadline) {
+			t.Fatalf("audit inbox rows %d (%v), want %d", rows, err, n+1)
+		}
 	}
 }

@@ -316,7 +316,13 @@ func TestHelperOutboxChild(t *testing.T) {
 		if n := crashN(envOutboxCrashRelay); n > 0 {
 			mw = append(mw, obCrashAfter(n, "after-forward"))
 		}
-		r := obStartRelay(t, obRelayConfig(pool, pub, "", mw...), logger)
+		cfg := obRelayConfig(pool, pub, "", mw...)
+		if crashN(envOutboxCrashRelay) > 0 {
+			// One publish at a time: the crash after the n-th forward comes after exactly n
+			// publishes were confirmed (pipelined, the last ones might still be in flight).
+			cfg.MaxInFlight = 1
+		}
+		r := obStartRelay(t, cfg, logger)
 		stop = func() error { r.stop(t); return nil }
 		stats = func() string { return fmt.Sprintf("STATS processed=%d duplicates=0 failed=0", forwarded.Load()) }
 	default:

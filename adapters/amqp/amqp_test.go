@@ -33,6 +33,9 @@ func harness(t *testing.T) adaptertest.Harness {
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 
+// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery figure.
+func TestRecoveryAfterSIGKILL(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) }
+
 // TestNonStringHeadersDoNotLoop publishes, with the plain AMQP client, a message carrying the
 // header types RabbitMQ itself adds (x-death is a table array, x-delivery-count an integer).
 // watermill-amqp's default unmarshaler fails on them and the message would be requeued forever;

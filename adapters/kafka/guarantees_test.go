@@ -53,6 +53,16 @@ func TestGuarantees(t *testing.T) {
 	t.Logf("took %s", time.Since(start).Round(time.Millisecond))
 }
 
+// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery
+// figure, on kfake.
+func TestRecoveryAfterSIGKILL(t *testing.T) {
+	if os.Getenv(adaptertest.EnvMeasureRecovery) == "" {
+		t.Skip("set " + adaptertest.EnvMeasureRecovery + "=1 to measure")
+	}
+	cluster := kafkatest.NewCluster(t)
+	adaptertest.MeasureRecovery(t, matrixHarness(cluster.Addrs()))
+}
+
 // TestAdapterChild is the matrix's crash child (the test binary re-executed by
 // TestGuarantees); it connects to the parent's cluster and never starts one. Run directly, it
 // returns at once.

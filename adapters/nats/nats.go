@@ -76,6 +76,10 @@ const Name = "nats"
 // (stream RePublish), sources from another stream, or returns by direct get.
 var BrokerSideFields = brokerside.NATS
 
+// DefaultAckWait is Config.AckWait's default: 10 s, a third of watermill-nats' 30 s, which
+// stalled a consumer group for about 30 s after each SIGKILLed consumer (docs/operations.md).
+const DefaultAckWait = 10 * time.Second
+
 // Config configures the NATS JetStream broker.
 type Config struct {
 	// URL is the NATS server URL (required), e.g. nats://127.0.0.1:4222; several are
@@ -88,7 +92,18 @@ type Config struct {
 	// AckWait is how long JetStream waits for the ack of a delivery before redelivering it,
 	// and how long the subscriber waits for the router's Ack or Nack. It must exceed the
 	// longest handler run; it is also the delay before a crashed consumer's messages are
-	// redelivered. Default: 30 s. A change is applied to an existing consumer on subscribe.
+	// redelivered. Default: DefaultAckWait. A change is applied to an existing consumer on
+	// subscribe.
+	//
+	// After a consumer process is killed, the messages it held (up to MaxAckPending, all of
+	// them under load) are redelivered only after AckWait, and while it held every
+	// MaxAckPending slot the whole group receives nothing: a killed consumer stalls its group
+	// for about AckWait (measured in docs/operations.md). Set it a few times above the
+	// handler's slowest expected run, inbox lock waits included; a slower run is redelivered
+	// to another member while it runs, a concurrent duplicate the inbox absorbs (the copy
+	// waits on the claim, then is skipped), at the cost of wasted work. watermill-nats
+	// v2.1.3 gives the handler no access to the JetStream message, so in-progress acks
+	// (msg.InProgress, which would let a slow handler extend AckWait) are not available.
 	AckWait time.Duration
 	// MaxAckPending caps the unacked messages of the whole group. The server pushes up to that
 	// many to the subscriptions, where they queue while AckWait runs: keep it near the group's
@@ -112,7 +127,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.AckWait == 0 {
-		c.AckWait = 30 * time.Second
+		c.AckWait = DefaultAckWait
 	}
 	if c.MaxAckPending == 0 {
 		c.MaxAckPending = 64

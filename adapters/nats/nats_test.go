@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -29,12 +30,16 @@ const ackWait = 2 * time.Second
 // testConfig is the adapter's configuration in these tests: a short AckWait, and streams
 // that expire their messages after an hour should a test leave one behind.
 func testConfig(t testing.TB, group string) nats.Config {
-	return nats.Config{
+	cfg := nats.Config{
 		URL:           testenv.RequireNATS(t),
 		ConsumerGroup: group,
 		AckWait:       ackWait,
 		Stream:        natsgo.StreamConfig{MaxAge: time.Hour},
 	}
+	if os.Getenv(envRecoveryDefaults) != "" {
+		cfg.AckWait = 0
+	}
+	return cfg
 }
 
 // newBroker connects and deletes, when t ends, every stream the broker touched.
@@ -58,6 +63,26 @@ func harness(t testing.TB) adaptertest.Harness {
 
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
+
+// envRecoveryDefaults makes TestAdapterChild use the adapter's default timings.
+const envRecoveryDefaults = "INBOX_RECOVERY_DEFAULTS"
+
+// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery
+// figures, with the adapter's defaults and with this file's test timings.
+func TestRecoveryAfterSIGKILL(t *testing.T) {
+	t.Run("defaults", func(t *testing.T) {
+		adaptertest.MeasureRecovery(t, adaptertest.Harness{
+			NewBroker: func(_ *pgxpool.Pool, group string) (*adapters.Broker, error) {
+				cfg := testConfig(t, group)
+				cfg.AckWait = 0 // the adapter's default
+				return newBroker(t, cfg)
+			},
+			Timeout: 2 * time.Minute,
+			Env:     []string{envRecoveryDefaults + "=1"}, // the child consumer too
+		})
+	})
+	t.Run("test timings", func(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) })
+}
 
 func TestConfigValidate(t *testing.T) {
 	for _, cfg := range []nats.Config{

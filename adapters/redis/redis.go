@@ -33,8 +33,9 @@
 //     claimed from a live consumer is delivered twice, a duplicate the inbox absorbs.
 //   - Consumers idle for ten minutes with nothing pending are removed from the group.
 //
-// Production values: MaxIdleTime 60 s and ClaimInterval 5 s (watermill-redisstream's
-// defaults), NackResendSleep 1 s. The tests use 1 s, 200 ms and 20 ms.
+// Defaults: MaxIdleTime 15 s and ClaimInterval 1 s (watermill-redisstream's 60 s and 5 s left
+// a killed consumer's entries unprocessed for over a minute; docs/operations.md), and
+// NackResendSleep 1 s. The tests use 1 s, 200 ms and 20 ms.
 //
 // Streams are not trimmed unless MaxLen is set; see its warning. Redis must persist (AOF or
 // RDB): a server restarted empty loses the streams, the groups and the pending entries, and
@@ -70,6 +71,13 @@ const UnmarshalErrorKey = "_watermill_inbox_unmarshal_error"
 // stay inside watermill-redisstream. The names are those a custom unmarshaler would use.
 var BrokerSideFields = brokerside.Redis
 
+// Defaults of MaxIdleTime and ClaimInterval (see Config): a killed consumer's pending entries
+// are claimed by a live subscription between 15 and 16 s after their last delivery.
+const (
+	DefaultMaxIdleTime   = 15 * time.Second
+	DefaultClaimInterval = time.Second
+)
+
 // Config configures the Redis Streams broker.
 type Config struct {
 	// URL is the Redis URL (required), e.g. redis://127.0.0.1:6379/0 or rediss://... for TLS.
@@ -87,10 +95,13 @@ type Config struct {
 	// again. Default: 1 s.
 	NackResendSleep time.Duration
 	// MaxIdleTime is how long an entry stays pending before another subscription of the group
-	// claims it. Default: 60 s.
+	// claims it: the delay before the entries a killed consumer held are processed (the rest
+	// of the group's entries keep flowing to live consumers meanwhile). An entry still in a
+	// live consumer's hands past it is delivered twice, a duplicate the inbox absorbs.
+	// Default: DefaultMaxIdleTime.
 	MaxIdleTime time.Duration
 	// ClaimInterval is how often each subscription looks for entries idle for MaxIdleTime.
-	// Default: 5 s.
+	// Default: DefaultClaimInterval.
 	ClaimInterval time.Duration
 	// MaxLen trims each stream the publisher writes to about this many entries (XADD MAXLEN ~).
 	// Trimming removes the oldest entries whether or not every group has consumed them: an
@@ -111,10 +122,10 @@ func (c *Config) setDefaults() {
 		c.NackResendSleep = time.Second
 	}
 	if c.MaxIdleTime == 0 {
-		c.MaxIdleTime = redisstream.DefaultMaxIdleTime
+		c.MaxIdleTime = DefaultMaxIdleTime
 	}
 	if c.ClaimInterval == 0 {
-		c.ClaimInterval = redisstream.DefaultClaimInterval
+		c.ClaimInterval = DefaultClaimInterval
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -29,13 +30,17 @@ const maxIdle = time.Second
 
 // testConfig is the adapter's configuration in these tests: short claim and resend times.
 func testConfig(t testing.TB, group string) redis.Config {
-	return redis.Config{
+	cfg := redis.Config{
 		URL:             testenv.RequireRedis(t),
 		ConsumerGroup:   group,
 		MaxIdleTime:     maxIdle,
 		ClaimInterval:   200 * time.Millisecond,
 		NackResendSleep: 20 * time.Millisecond,
 	}
+	if os.Getenv(envRecoveryDefaults) != "" {
+		cfg.MaxIdleTime, cfg.ClaimInterval = 0, 0
+	}
+	return cfg
 }
 
 // newBroker connects and deletes, when t ends, every stream the broker touched.
@@ -59,6 +64,26 @@ func harness(t testing.TB) adaptertest.Harness {
 
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
+
+// envRecoveryDefaults makes TestAdapterChild use the adapter's default timings.
+const envRecoveryDefaults = "INBOX_RECOVERY_DEFAULTS"
+
+// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery
+// figures, with the adapter's defaults and with this file's test timings.
+func TestRecoveryAfterSIGKILL(t *testing.T) {
+	t.Run("defaults", func(t *testing.T) {
+		adaptertest.MeasureRecovery(t, adaptertest.Harness{
+			NewBroker: func(_ *pgxpool.Pool, group string) (*adapters.Broker, error) {
+				cfg := testConfig(t, group)
+				cfg.MaxIdleTime, cfg.ClaimInterval = 0, 0 // the adapter's defaults
+				return newBroker(t, cfg)
+			},
+			Timeout: 2 * time.Minute,
+			Env:     []string{envRecoveryDefaults + "=1"}, // the child consumer too
+		})
+	})
+	t.Run("test timings", func(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) })
+}
 
 func TestConfigValidate(t *testing.T) {
 	for _, cfg := range []redis.Config{

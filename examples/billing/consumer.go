@@ -82,7 +82,7 @@ func withDemoSettings(cfg router.Config, amqpConsumers int) router.Config {
 	cfg.Postgres = &postgres.Config{PollInterval: 50 * time.Millisecond}
 	cfg.AMQP = &amqp.Config{
 		Consumers:              amqpConsumers,
-		PublishChannelPoolSize: concurrency, // the relay's and the dead letters' publishes
+		PublishChannelPoolSize: outbox.DefaultMaxInFlight, // the relay keeps this many publishes in flight
 		QueueArguments:         map[string]any{"x-expires": amqpQueueExpiry},
 	}
 	cfg.Kafka = &kafka.Config{

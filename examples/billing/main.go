@@ -78,6 +78,7 @@ type options struct {
 	maxAttempts   int
 	verbose       bool
 	metricsAddr   string
+	soak          bool
 
 	// Consumer role only, set by the orchestrator.
 	run              int
@@ -105,6 +106,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.maxAttempts, "max-attempts", 3, "inbox MaxAttempts: handler runs before a message is dead-lettered (at least 3: the mid-stream kill may cost a payment two attempts)")
 	fs.BoolVar(&o.verbose, "v", false, "copy the consumers' logs (stderr) to stderr as they run")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve the consumer's Prometheus metrics on this address at /metrics while it runs, e.g. 127.0.0.1:9464 (each consumer in turn)")
+	fs.BoolVar(&o.soak, "soak", false, "soak instead of the scripted crashes: SIGKILL the consumer every 5 to 20 s (random) until every payment is processed, sample the relay's backlog, then verify (raise -messages and -timeout, e.g. -messages=100000 -timeout=2h)")
 	fs.IntVar(&o.run, "run", 0, "consumer role: run number of this consumer, written to the rejection log")
 	fs.StringVar(&o.schema, "schema", "", "consumer role: PostgreSQL schema of this run")
 	fs.StringVar(&o.topic, "topic", "", "consumer role: topic to consume")

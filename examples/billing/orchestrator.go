@@ -139,6 +139,10 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	fmt.Fprintf(d.out, "published   %d deliveries: %d unique payments over %d accounts + %d re-sent with the same UUID and payload\n",
 		len(w.deliveries), unique, d.o.accounts, w.duplicates)
 
+	if d.o.soak {
+		return d.soak(ctx, start, mrand.New(mrand.NewPCG(seed^0x5eed, seed)))
+	}
+
 	consumeStart := time.Now()
 
 	// 1. Crash after commit, before ack.

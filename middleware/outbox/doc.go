@@ -33,17 +33,38 @@
 //
 // The Relay is forwarder's router handler on a watermill-sql Subscriber. Per poll the
 // subscriber opens a REPEATABLE READ transaction, locks its consumer group's offset row
-// (SELECT ... FOR UPDATE), reads up to BatchSize rows in commit order, hands them to the
-// forwarder one at a time, which publishes each to its destination topic and acks it, then
-// stores the last acked offset and commits.
+// (SELECT ... FOR UPDATE), reads up to BatchSize rows in commit order and hands them to the
+// forwarder one at a time. The forwarder unwraps each and starts its publish to its
+// destination topic; up to RelayConfig.MaxInFlight publishes wait for the broker's
+// confirmation at once (a RabbitMQ publisher confirm, a Kafka produce response, a JetStream
+// PubAck), so the relay pays a broker round trip per MaxInFlight messages, not per message.
+// Before the transaction commits the last offset, every publish of the batch must have been
+// confirmed; when one failed, the transaction rolls back and the whole batch is read and
+// published again after ResendInterval. With MaxInFlight 1 the relay publishes one row at a
+// time and retries a failed publish before any later row (strict table order).
 //
 // Delivery to the broker is at least once. A crash, a lost connection, an expired
-// AckDeadline or Close between a publish and that commit leaves the offset where it was: the
-// next poll, by this relay or another, publishes the same messages again, with the same
-// UUIDs, payloads and metadata. Consume them with an inbox (keyed on the message UUID, the
-// default) and each is applied once. Nothing is lost: a row is skipped only once its offset
-// is committed, and a publish that failed is retried (ResendInterval) before any later row,
-// so one undeliverable message stops its consumer group (head-of-line), on purpose.
+// AckDeadline or a failed publish between a publish and that commit leaves the offset where
+// it was: the next poll, by this relay or another, publishes the same messages again, with
+// the same UUIDs, payloads and metadata. Consume them with an inbox (keyed on the message
+// UUID, the default) and each is applied once. Nothing is lost: a row is skipped only once
+// its offset is committed after its publish was confirmed.
+//
+// Order: with MaxInFlight above 1, the publishes of a batch run concurrently and the broker
+// may receive them in another order than the table's; RelayConfig.OrderingKey keeps the
+// messages of one key (a lane) in table order. A consumer behind an inbox does not need
+// order for correctness; competing consumers on the broker side reorder anyway.
+//
+// Rows the relay cannot read (written into the table by something other than Outbox.Store):
+// a metadata column that is not a JSON object of strings is skipped, logged at ERROR with the
+// row's offset, counted (RelayStats.MalformedSkipped) and passed to OnMalformedRow; a payload
+// that is not a forwarder envelope is reported the same way, then skipped when
+// AckWhenCannotUnwrap is set, else the group stops at that row (head-of-line, on purpose)
+// and reports it at every retry until the row is fixed or deleted. Never a silent stall.
+//
+// Progress: Relay.Stats (counters, no I/O), Relay.Lag (pending rows, oldest pending row's
+// age, offset gap: one query) and RelayConfig.OnBatch (each committed or rolled-back batch).
+// docs/operations.md says how to size and scale the relay.
 //
 // # What the subscriber's REPEATABLE READ transaction means here
 //
@@ -57,7 +78,7 @@
 //     handler's inbox transaction or an idle-in-transaction session, therefore delays the
 //     relay until it ends. It delays; it does not lose.
 //   - The relay keeps its transaction, the offset row lock and a snapshot open while it
-//     publishes a batch (AckDeadline per message), so keep publishes quick and batches small
+//     publishes a batch (AckDeadline per publish), so keep publishes quick and batches small
 //     enough. Relays of the same ConsumerGroup serialise on the offset row: a second relay is
 //     a hot standby, not extra throughput. When one commits an offset while another waits for
 //     the lock, the waiter's poll fails under REPEATABLE READ with SQLSTATE 40001 ("could not
@@ -65,9 +86,11 @@
 //     (its Rows interface has no Err), so the poll just looks empty and the waiter polls again
 //     after PollInterval: no duplicate, no loss. The relay logs such swallowed errors itself:
 //     40001 at debug level, any other at error level.
-//   - On Close the router cancels the subscription context, which is also the context of the
-//     subscriber's transaction: the batch in flight usually fails to commit its offset, so the
-//     messages it had published are published again by the next relay (at least once).
+//   - On Close (or when Run's context ends) the router cancels the subscription context; the
+//     relay still stores the offset of the rows already handed to the forwarder, once their
+//     publishes are confirmed, with the offset update and COMMIT on a context of their own
+//     (bounded by CloseTimeout). A graceful stop republishes at most the row in flight and
+//     logs no error.
 //
 // # Schema
 //

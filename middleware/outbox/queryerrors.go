@@ -4,67 +4,105 @@ import (
 	"context"
 	stdsql "database/sql"
 	"errors"
+	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wmsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// queryErrorLogger wraps the relay subscriber's database handle to log the errors that
-// watermill-sql v4.1.2 drops: its Rows interface has no Err method, so an error that PostgreSQL
-// raises while the SELECT of a poll executes (pgx reports those through Rows.Err, not from
-// Query) ends the row loop silently and the poll looks empty. It changes no behaviour: the
-// subscriber still treats the poll as empty, commits nothing of it and polls again.
+// relayDB is the database handle the relay's watermill-sql subscriber reads the outbox with: a
+// pgx pool, like watermill-sql's own BeginnerFromPgx, with three differences.
 //
-// SQLSTATE 40001 is logged at debug level only: under the subscriber's REPEATABLE READ, a
-// relay that waited on its consumer group's offset row while another relay of the group
-// advanced it fails that way, which is the expected hand-over between relays.
-type queryErrorLogger struct {
-	wmsql.Beginner
+//   - Errors that watermill-sql v4.1.2 drops are logged: its Rows interface has no Err method,
+//     so an error PostgreSQL raises while the SELECT of a poll executes (pgx reports those
+//     through Rows.Err, not from Query) ends the row loop silently and the poll looks empty.
+//     SQLSTATE 40001 is logged at debug level only: under the subscriber's REPEATABLE READ, a
+//     relay that waited on its consumer group's offset row while another relay of the group
+//     advanced it fails that way, which is the expected hand-over between relays.
+//   - Statements after the SELECT (the offset update) and COMMIT run on a context detached
+//     from the subscription's, bounded by the relay's CloseTimeout: a graceful stop (Close,
+//     or Run's context ending) lets the batch in flight store the offset of what it already
+//     published, instead of failing its COMMIT and publishing all of it again after the
+//     restart.
+//   - COMMIT first waits for the batch's pipelined publishes (see relayTx.Commit).
+type relayDB struct {
+	pool  *pgxpool.Pool
+	relay *Relay
+}
+
+func (d relayDB) BeginTx(ctx context.Context, opts *stdsql.TxOptions) (wmsql.Tx, error) {
+	txOpts := pgx.TxOptions{}
+	if opts != nil {
+		switch opts.Isolation {
+		case stdsql.LevelReadCommitted:
+			txOpts.IsoLevel = pgx.ReadCommitted
+		case stdsql.LevelRepeatableRead:
+			txOpts.IsoLevel = pgx.RepeatableRead
+		case stdsql.LevelSerializable:
+			txOpts.IsoLevel = pgx.Serializable
+		}
+	}
+	tx, err := d.pool.BeginTx(ctx, txOpts)
+	if err != nil {
+		return nil, err
+	}
+	return &relayTx{tx: tx, relay: d.relay, started: time.Now()}, nil
+}
+
+func (d relayDB) ExecContext(ctx context.Context, query string, args ...any) (wmsql.Result, error) {
+	tag, err := d.pool.Exec(ctx, query, args...)
+	return result{tag}, err
+}
+
+func (d relayDB) QueryContext(ctx context.Context, query string, args ...any) (wmsql.Rows, error) {
+	rows, err := d.pool.Query(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return relayRows{rows: rows, logger: d.relay.logger}, nil
+}
+
+type result struct{ pgconn.CommandTag }
+
+func (r result) RowsAffected() (int64, error) { return r.CommandTag.RowsAffected(), nil }
+
+// detached returns a context that outlives ctx's cancellation, bounded by the relay's
+// CloseTimeout, for the statements that finish a batch.
+func (r *Relay) detached(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), r.cfg.CloseTimeout)
+}
+
+func (t *relayTx) ExecContext(ctx context.Context, query string, args ...any) (wmsql.Result, error) {
+	ctx, cancel := t.relay.detached(ctx)
+	defer cancel()
+	tag, err := t.tx.Exec(ctx, query, args...)
+	return result{tag}, err
+}
+
+func (t *relayTx) QueryContext(ctx context.Context, query string, args ...any) (wmsql.Rows, error) {
+	rows, err := t.tx.Query(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return relayRows{rows: rows, logger: t.relay.logger}, nil
+}
+
+// relayRows adapts pgx.Rows to watermill-sql's Rows and logs the error it would drop.
+type relayRows struct {
+	rows   pgx.Rows
 	logger watermill.LoggerAdapter
 }
 
-func (b queryErrorLogger) BeginTx(ctx context.Context, opts *stdsql.TxOptions) (wmsql.Tx, error) {
-	tx, err := b.Beginner.BeginTx(ctx, opts)
-	if err != nil {
-		return tx, err
-	}
-	return queryErrorTx{Tx: tx, logger: b.logger}, nil
-}
+func (r relayRows) Next() bool             { return r.rows.Next() }
+func (r relayRows) Scan(dest ...any) error { return r.rows.Scan(dest...) }
 
-func (b queryErrorLogger) QueryContext(ctx context.Context, query string, args ...any) (wmsql.Rows, error) {
-	rows, err := b.Beginner.QueryContext(ctx, query, args...)
-	if err != nil {
-		return rows, err
-	}
-	return queryErrorRows{Rows: rows, logger: b.logger}, nil
-}
-
-type queryErrorTx struct {
-	wmsql.Tx
-	logger watermill.LoggerAdapter
-}
-
-func (t queryErrorTx) QueryContext(ctx context.Context, query string, args ...any) (wmsql.Rows, error) {
-	rows, err := t.Tx.QueryContext(ctx, query, args...)
-	if err != nil {
-		return rows, err
-	}
-	return queryErrorRows{Rows: rows, logger: t.logger}, nil
-}
-
-type queryErrorRows struct {
-	wmsql.Rows
-	logger watermill.LoggerAdapter
-}
-
-func (r queryErrorRows) Close() error {
-	cerr := r.Rows.Close()
-	withErr, ok := r.Rows.(interface{ Err() error })
-	if !ok {
-		return cerr
-	}
-	err := withErr.Err()
+func (r relayRows) Close() error {
+	r.rows.Close()
+	err := r.rows.Err()
 	var pgErr *pgconn.PgError
 	switch {
 	case err == nil, errors.Is(err, context.Canceled):
@@ -73,5 +111,10 @@ func (r queryErrorRows) Close() error {
 	default:
 		r.logger.Error("Outbox poll failed while reading rows; watermill-sql treats it as an empty poll and polls again", err, nil)
 	}
-	return cerr
+	return nil
 }
+
+// errBatchFailed is what relayTx.Commit returns, wrapped, when a pipelined publish of its batch
+// failed and the batch was rolled back. It wraps pgx.ErrTxCommitRollback, which watermill-sql's
+// subscriber does not log: the relay logged the publish error itself.
+var errBatchFailed = fmt.Errorf("outbox relay: a publish of the batch failed; rolled back to publish it again: %w", pgx.ErrTxCommitRollback)

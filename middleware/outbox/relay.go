@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"strings"
 	"sync"
 	"time"
@@ -36,6 +37,11 @@ const (
 	DefaultAckDeadline = 30 * time.Second
 	// DefaultCloseTimeout is how long Close waits for in-flight publishes (forwarder's default).
 	DefaultCloseTimeout = 30 * time.Second
+	// DefaultMaxInFlight is how many publishes the relay keeps waiting for the broker's
+	// confirmation at once. One publish at a time costs a broker round trip per message
+	// (a RabbitMQ publisher confirm, a Kafka produce request, a JetStream PubAck); 16 in flight
+	// let the relay keep up with a consumer several times faster than that (docs/operations.md).
+	DefaultMaxInFlight = 16
 )
 
 // maxConsumerGroupChars is the length of watermill-sql's consumer_group column, VARCHAR(255).
@@ -63,6 +69,33 @@ type RelayConfig struct {
 	// DefaultBatchSize. 1 republishes at most one message after a crash, at the cost of one
 	// transaction per message.
 	BatchSize int
+	// MaxInFlight is the number of publishes of a batch the relay starts without waiting for
+	// the previous ones' broker confirmation. Every publish of a batch must succeed before the
+	// batch's offset is committed; when one fails, the batch is rolled back and all its rows
+	// are published again after ResendInterval (at least once, never lost). Default:
+	// DefaultMaxInFlight. 1 publishes one row at a time, in the table's commit order, and
+	// retries a failed publish before any later row (strict order, the slowest).
+	//
+	// With more than 1, publishes run concurrently through RelayConfig.Publisher, so the
+	// broker may receive rows of one batch in another order than the table's, unless
+	// OrderingKey puts them in one lane. Publisher must be safe for concurrent use (Watermill's
+	// publishers are); on RabbitMQ give it a channel pool at least this large
+	// (adapters/amqp Config.PublishChannelPoolSize), or each publish opens a channel.
+	MaxInFlight int
+	// OrderingKey, when set, names the ordering lane of each message the relay publishes
+	// (topic is its destination topic): messages of one lane are published one after another,
+	// in the table's order, each after the broker confirmed the previous; lanes run in
+	// parallel, up to MaxInFlight publishes in all. E.g. return the Kafka partition key, or
+	// topic+entity ID, for what must stay ordered. Nil: no lanes (any order within a batch).
+	OrderingKey func(topic string, msg *message.Message) string
+	// OnBatch, when set, is called after each relay transaction that published or skipped
+	// something, committed or rolled back, from the relay's goroutine: keep it quick (update
+	// metrics). See also Relay.Stats and Relay.Lag.
+	OnBatch func(RelayBatch)
+	// OnMalformedRow, when set, is called for each outbox row the relay cannot read as a
+	// forwarder envelope (written by something else than Outbox.Store), after the relay
+	// logged it at ERROR with its offset. Keep it quick.
+	OnMalformedRow func(MalformedRow)
 	// PollInterval is the pause after a poll that found nothing. Default: DefaultPollInterval.
 	PollInterval time.Duration
 	// RetryInterval is the pause after a failed poll. Default: DefaultRetryInterval.
@@ -106,10 +139,14 @@ func (c *RelayConfig) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = DefaultCloseTimeout
 	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = DefaultMaxInFlight
+	}
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Config, a missing
-// Pool or Publisher, an invalid ConsumerGroup, a BatchSize below 1 or a negative duration.
+// Pool or Publisher, an invalid ConsumerGroup, a BatchSize or MaxInFlight below 1 or a
+// negative duration.
 // NewRelay calls it after filling defaults.
 func (c RelayConfig) Validate() error {
 	if err := c.Config.Validate(); err != nil {
@@ -128,6 +165,9 @@ func (c RelayConfig) Validate() error {
 	}
 	if c.BatchSize < 1 {
 		return fmt.Errorf("%w: outbox relay: BatchSize must be at least 1", inbox.ErrInvalidConfig)
+	}
+	if c.MaxInFlight < 1 {
+		return fmt.Errorf("%w: outbox relay: MaxInFlight must be at least 1", inbox.ErrInvalidConfig)
 	}
 	if c.PollInterval < 0 || c.RetryInterval < 0 || c.ResendInterval < 0 || c.AckDeadline < 0 || c.CloseTimeout < 0 {
 		return fmt.Errorf("%w: outbox relay: durations must not be negative", inbox.ErrInvalidConfig)
@@ -149,9 +189,16 @@ var ErrRelayClosed = errors.New("outbox relay: closed")
 // UUID, when a relay next reads the group. Consumers must deduplicate, which an inbox keyed
 // on the message UUID (the default) does.
 type Relay struct {
-	cfg RelayConfig
-	sub *wmsql.Subscriber
-	fwd *forwarder.Forwarder
+	cfg    RelayConfig
+	sub    *wmsql.Subscriber
+	fwd    *forwarder.Forwarder
+	logger watermill.LoggerAdapter
+
+	slots    chan struct{} // one token per publish in flight, MaxInFlight
+	laneSeed maphash.Seed
+	stats    relayCounters
+	closing  chan struct{} // closed by Close
+	closeOne sync.Once
 
 	runDone chan struct{} // closed when the forwarder's Run returned
 
@@ -169,14 +216,22 @@ func NewRelay(cfg RelayConfig, logger watermill.LoggerAdapter) (*Relay, error) {
 		return nil, err
 	}
 	logger = redact(logger).With(watermill.LogFields{"outbox_topic": cfg.Topic})
+	r := &Relay{
+		cfg:      cfg,
+		logger:   logger,
+		slots:    make(chan struct{}, cfg.MaxInFlight),
+		laneSeed: maphash.MakeSeed(),
+		closing:  make(chan struct{}),
+		runDone:  make(chan struct{}),
+	}
 	ackDeadline := cfg.AckDeadline
-	sub, err := wmsql.NewSubscriber(queryErrorLogger{Beginner: wmsql.BeginnerFromPgx(cfg.Pool), logger: logger}, wmsql.SubscriberConfig{
+	sub, err := wmsql.NewSubscriber(relayDB{pool: cfg.Pool, relay: r}, wmsql.SubscriberConfig{
 		ConsumerGroup:  cfg.ConsumerGroup,
 		AckDeadline:    &ackDeadline,
 		PollInterval:   cfg.PollInterval,
 		ResendInterval: cfg.ResendInterval,
 		RetryInterval:  cfg.RetryInterval,
-		SchemaAdapter:  cfg.schemaAdapter(cfg.BatchSize),
+		SchemaAdapter:  relaySchema{cfg.schemaAdapter(cfg.BatchSize)},
 		OffsetsAdapter: cfg.offsetsAdapter(),
 		// InitializeSchema outside the subscriber: see the package-level InitializeSchema.
 		InitializeSchema: false,
@@ -184,9 +239,9 @@ func NewRelay(cfg RelayConfig, logger watermill.LoggerAdapter) (*Relay, error) {
 	if err != nil {
 		return nil, fmt.Errorf("outbox relay: creating the SQL subscriber: %w", err)
 	}
-	fwd, err := forwarder.NewForwarder(sub, metadataPublisher{cfg.Publisher}, logger, forwarder.Config{
+	fwd, err := forwarder.NewForwarder(sub, pipelinePublisher{relay: r, pub: cfg.Publisher}, logger, forwarder.Config{
 		ForwarderTopic:      cfg.Topic,
-		Middlewares:         cfg.Middlewares,
+		Middlewares:         append([]message.HandlerMiddleware{r.malformedRows}, cfg.Middlewares...),
 		CloseTimeout:        cfg.CloseTimeout,
 		AckWhenCannotUnwrap: cfg.AckWhenCannotUnwrap,
 	})
@@ -194,7 +249,8 @@ func NewRelay(cfg RelayConfig, logger watermill.LoggerAdapter) (*Relay, error) {
 		_ = sub.Close()
 		return nil, fmt.Errorf("outbox relay: creating the forwarder: %w", err)
 	}
-	return &Relay{cfg: cfg, sub: sub, fwd: fwd, runDone: make(chan struct{})}, nil
+	r.sub, r.fwd = sub, fwd
+	return r, nil
 }
 
 // Run forwards the outbox until ctx is cancelled or Close is called, then returns nil once
@@ -249,6 +305,7 @@ func (r *Relay) Close() error {
 	started := r.started
 	r.closed = true
 	r.mu.Unlock()
+	r.closeOne.Do(func() { close(r.closing) })
 	var err error
 	if started {
 		// Closing the router before it runs would wait CloseTimeout for handlers that never
@@ -275,22 +332,3 @@ func (r *Relay) Close() error {
 	}
 	return err
 }
-
-// metadataPublisher gives every forwarded message a non-nil Metadata map: the forwarder
-// restores a nil map from an envelope whose metadata was JSON null (written by a forwarder
-// publisher other than Outbox.Store), and a nil map panics on Metadata.Set downstream.
-type metadataPublisher struct {
-	message.Publisher
-}
-
-func (p metadataPublisher) Publish(topic string, msgs ...*message.Message) error {
-	for _, m := range msgs {
-		if m.Metadata == nil {
-			m.Metadata = message.Metadata{}
-		}
-	}
-	return p.Publisher.Publish(topic, msgs...)
-}
-
-// Close does not close the user's publisher: the relay does not own it.
-func (p metadataPublisher) Close() error { return nil }
