@@ -182,6 +182,8 @@ type delivery struct {
 	counted    bool  // this delivery's count is in the store
 	attempts   int   // the attempt count after the last recorded change, when counted
 	res        Result
+	// payloadHash backs params.PayloadHash (SHA-256 of the payload as received).
+	payloadHash [sha256.Size]byte
 }
 
 func (i *Inbox) newDelivery(msg *message.Message) *delivery {
@@ -223,8 +225,8 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 	if i.cfg.MessageTypeKey != "-" {
 		d.params.MessageType = validOrEmpty(msg.Metadata.Get(i.cfg.MessageTypeKey))
 	}
-	sum := sha256.Sum256(msg.Payload)
-	d.params.PayloadHash = sum[:]
+	d.payloadHash = sha256.Sum256(msg.Payload) // held in d: no allocation of its own
+	d.params.PayloadHash = d.payloadHash[:]
 	if i.attempts != nil {
 		d.countFirst = i.cfg.Redelivery == nil || i.cfg.Redelivery(msg) != FirstDelivery
 	}
@@ -234,8 +236,7 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 // handlerMessage returns the copy of the received message that the handler gets, with ctx.
 func (d *delivery) handlerMessage(ctx context.Context) *message.Message {
 	m := message.NewMessage(d.msg.UUID, bytes.Clone(d.msg.Payload))
-	m.Metadata = make(message.Metadata, len(d.msg.Metadata))
-	maps.Copy(m.Metadata, d.msg.Metadata)
+	maps.Copy(m.Metadata, d.msg.Metadata) // into the map NewMessage made: no second map
 	m.SetContext(ctx)
 	return m
 }
