@@ -97,6 +97,9 @@ type Store struct {
 	attempts string // quoted "schema"."<table>_attempts"
 
 	claimSQL, recordSQL, countSQL, hashSQL, clearSQL, clearProcessedSQL string
+	// lockedClaimSQL is claimSQL that first takes the key's transaction-level advisory lock
+	// ($6: lockKey), in the same statement.
+	lockedClaimSQL string
 }
 
 var (
@@ -148,6 +151,12 @@ func newNames(cfg Config) (*Store, error) {
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
 		attempts: attempts,
 		claimSQL: insert,
+		// The lock is taken by the subquery before its one row reaches the INSERT, so the
+		// claim meets the key's lock exactly as a lock statement sent before it would, one
+		// statement fewer per delivery (pg_advisory_xact_lock is volatile: never folded away).
+		lockedClaimSQL: "INSERT INTO " + table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
+			" SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea FROM (SELECT pg_advisory_xact_lock(hashtextextended($6, 0))) AS key_lock" +
+			" ON CONFLICT (message_id, consumer_name) DO NOTHING",
 		// The key's attempt record, read in a statement of its own after the claim, so that
 		// under READ COMMITTED it sees what the transaction it waited for recorded.
 		recordSQL: "SELECT attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + attempts +
@@ -228,13 +237,15 @@ func (s *Store) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox
 // ClaimCounted implements inbox.AttemptStore. Everything before the handler travels in one
 // pipelined round trip:
 //
-//   - with CountFirst: BEGIN; SET LOCAL synchronous_commit TO OFF; the local timeouts;
-//     pg_advisory_lock on the key (a session-level lock, held until the claim transaction
-//     ends, so counted deliveries of one key count one at a time); the count, unless the key
+//   - with CountFirst: BEGIN; the local timeouts; pg_advisory_lock on the key (a
+//     session-level lock, held until the claim transaction ends, so counted deliveries of
+//     one key count one at a time) with synchronous_commit set off locally, in one
+//     statement; the count, unless the key
 //     is processed (INSERT ... SELECT ... WHERE NOT EXISTS ... ON CONFLICT DO UPDATE SET
 //     attempts = attempts + 1); COMMIT;
-//   - BEGIN ISOLATION LEVEL ...; the local timeouts; the claim; the key's attempt record, read
-//     by a statement of its own (so that under READ COMMITTED it sees what a delivery that
+//   - BEGIN ISOLATION LEVEL ...; the local timeouts; the claim (which first takes the key's
+//     transaction-level advisory lock when the delivery did not count first); the key's
+//     attempt record, read by a statement of its own (so that under READ COMMITTED it sees what a delivery that
 //     held the claim before recorded).
 //
 // The count commits asynchronously (synchronous_commit off): it survives any crash of the
@@ -270,9 +281,10 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		// The transaction pgx hands back is the second BEGIN below: the first is the
 		// count's own, committed inside the same pipeline.
 		b.BeginTx(pgx.TxOptions{})
-		b.Queue("set local synchronous_commit to off")
 		s.queueTimeouts(b)
-		b.Queue("select pg_advisory_lock(hashtextextended($1, 0))", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
+		// The key's session lock, and synchronous_commit off for this transaction only
+		// (set_config with is_local), in one statement.
+		b.Queue("select pg_advisory_lock(hashtextextended($1, 0)), set_config('synchronous_commit', 'off', true)", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
 			t.locked = true
 			return nil
 		})
@@ -286,14 +298,17 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
+	claimSQL := s.claimSQL
+	args := []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
 	if counted && !p.CountFirst {
 		// A counted claim that did not count first still takes the key's lock, for its
 		// transaction only: while its handler runs no copy can count, so its Fail reports
-		// its own failure, never a waiting copy's count.
-		b.Queue("select pg_advisory_xact_lock(hashtextextended($1, 0))", s.lockKey(k))
+		// its own failure, never a waiting copy's count. The claim statement takes it
+		// before it inserts.
+		claimSQL = s.lockedClaimSQL
+		args = append(args, s.lockKey(k))
 	}
-	args := []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
-	b.Queue(s.claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
 		res.Claimed = ct.RowsAffected() == 1
 		return nil
 	})
