@@ -34,7 +34,7 @@ bench:
 services:
 	bash .ci/services
 
-.PHONY: bench-drain bench-peers bench-chart bench-cost
+.PHONY: bench-drain bench-peers bench-chart bench-cost bench-stp
 
 ## bench-drain: per broker, the drain of a pre-published backlog: no database (raw), a bare
 ## transaction, the inbox, the inbox with a dead-letter topic (tests/bench; about 3 minutes on
@@ -60,3 +60,8 @@ bench-cost:
 	$(GO) test ./middleware/inbox -run '^$$' -bench MiddlewareCost -benchmem -count 3
 	$(GO) test ./middleware/inbox -run '^$$' -bench 'InboxVsBareTx/deliveries=8$$' -benchtime 3000x -cpuprofile cpu.out -o inbox.test
 	$(GO) tool pprof -top -nodecount 30 inbox.test cpu.out
+
+## bench-stp: store-then-process against River (a unique job per message, worked by River's
+## workers), with the immediate inbox as the reference row, at 1, 8, 32 and 128 deliveries.
+bench-stp:
+	$(GO) test ./tests/bench -run '^$$' -bench StoreThenProcess -benchtime 1000x -count 3
