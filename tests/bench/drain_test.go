@@ -67,12 +67,16 @@ func (e *drainEnv) update(ctx context.Context, tx pgx.Tx) error {
 }
 
 // subscriber returns the subscriber of consumer group group on r's broker (the broker's own
-// subscriber on sqs, whose queue is the topic).
-func subscriber(r *router.Router, group string) (message.Subscriber, error) {
+// subscriber on sqs, whose queue is the topic), closed when the benchmark ends.
+func (e *drainEnv) subscriber(r *router.Router, group string) (message.Subscriber, error) {
 	if r.Broker.NewSubscriber == nil {
 		return r.Broker.Subscriber, nil
 	}
-	return r.Broker.SubscriberFor(group)
+	sub, err := r.Broker.SubscriberFor(group)
+	if err == nil {
+		e.b.Cleanup(func() { _ = sub.Close() })
+	}
+	return sub, err
 }
 
 // drainModes are the rows, in the order they run. The batched (group-commit) inbox and the
@@ -81,7 +85,7 @@ func drainModes() []drainMode {
 	modes := []drainMode{
 		{name: "raw", add: func(e *drainEnv, r *router.Router, topic string, handlers int) (func() uint64, error) {
 			// No database: the broker's and Watermill's own consume rate.
-			sub, err := subscriber(r, "raw")
+			sub, err := e.subscriber(r, "raw")
 			if err != nil {
 				return nil, err
 			}
@@ -92,7 +96,7 @@ func drainModes() []drainMode {
 		}},
 		{name: "bare", add: func(e *drainEnv, r *router.Router, topic string, handlers int) (func() uint64, error) {
 			// BEGIN, the UPDATE, COMMIT: the same work without a claim.
-			sub, err := subscriber(r, "bare")
+			sub, err := e.subscriber(r, "bare")
 			if err != nil {
 				return nil, err
 			}
