@@ -23,6 +23,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -665,9 +666,22 @@ const unlockSQL = "select pg_advisory_unlock_all()"
 
 // finishPipeline sends sqls (no parameters but the key, given as $1 and $2 where used) as
 // unnamed statements in one pipeline, then, when the transaction holds the key's advisory
-// lock, the unlock. It returns each statement's result in order (fewer after an error: the
-// server skips the rest of the pipeline) and whether the lock was released.
+// lock, the unlock: in the same statement as a last clearProcessedSQL (a data-modifying CTE
+// always runs to completion, and the unlock runs only if it succeeded), else as a statement of
+// its own. It returns each statement's result in order (fewer after an error: the server
+// skips the rest of the pipeline) and whether the lock was released.
 func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn.Result, error) {
+	sqls = slices.Clone(sqls)
+	unlockAt := -1 // the statement whose success releases the lock
+	if t.locked {
+		if last := len(sqls) - 1; last >= 0 && sqls[last] == t.s.clearProcessedSQL {
+			sqls[last] = "WITH cleared AS (" + t.s.clearProcessedSQL + ") " + unlockSQL
+			unlockAt = last
+		} else {
+			sqls = append(sqls, unlockSQL)
+			unlockAt = len(sqls) - 1
+		}
+	}
 	b := &pgconn.Batch{}
 	key := [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}
 	for _, q := range sqls {
@@ -677,11 +691,8 @@ func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn
 		}
 		b.ExecParams(q, args, nil, nil, nil)
 	}
-	if t.locked {
-		b.ExecParams(unlockSQL, nil, nil, nil, nil)
-	}
 	results, err := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
-	if t.locked && err == nil && len(results) == len(sqls)+1 && results[len(sqls)].Err == nil {
+	if unlockAt >= 0 && err == nil && len(results) > unlockAt && results[unlockAt].Err == nil {
 		t.locked = false
 	}
 	return results, err
@@ -692,7 +703,7 @@ func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn
 // now processed (so it sees records committed after the claim's snapshot, at every isolation
 // level, and deletes nothing when COMMIT answered ROLLBACK); a crash between the two leaves a
 // stale record of a processed key, which the key's next duplicate removes. A held advisory
-// lock is released in the same pipeline.
+// lock is released in the same pipeline (in the clean-up statement itself when there is one).
 //
 // An error wraps inbox.ErrCommitRolledBack when the rollback is certain: the server answered
 // ROLLBACK (a statement in the transaction had failed) or COMMIT raised an error (a
