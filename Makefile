@@ -46,3 +46,34 @@ bench-relay:
 ## soak: the billing consumer SIGKILLed every 5-20 s over 100,000 payments (long; never in CI).
 soak:
 	$(GO) run ./examples/billing -broker=$(BROKER) -soak -messages=100000 -timeout=2h
+.PHONY: bench-drain bench-peers bench-chart bench-cost bench-stp
+
+## bench-drain: per broker, the drain of a pre-published backlog: no database (raw), a bare
+## transaction, the inbox, the inbox with a dead-letter topic (tests/bench; about 3 minutes on
+## 2 busy cores; docs/benchmarks.md "Per broker: draining a backlog").
+BACKLOG ?= 2000
+bench-drain:
+	$(GO) test ./tests/bench -run '^$$' -bench BacklogDrain -benchtime 1x -count 3 -backlog $(BACKLOG)
+
+## bench-peers: Watermill's Deduplicator, the bare transaction and the inbox on GoChannel at 1,
+## 8, 32 and 128 concurrent deliveries; keeps the output in docs/img/peers.txt and redraws
+## docs/img/throughput.svg from it.
+bench-peers:
+	$(GO) test ./tests/bench -run '^$$' -bench Peers -benchtime 2000x -count 3 | tee docs/img/peers.txt
+	$(MAKE) bench-chart
+
+## bench-chart: redraw docs/img/throughput.svg from the kept output of bench-peers.
+bench-chart:
+	$(GO) run ./internal/cmd/benchchart -in docs/img/peers.txt -out docs/img/throughput.svg
+
+## bench-cost: what the middleware itself costs per delivery (no I/O store): time,
+## allocations and bytes, and a CPU profile of the 8-delivery benchmark on PostgreSQL.
+bench-cost:
+	$(GO) test ./middleware/inbox -run '^$$' -bench MiddlewareCost -benchmem -count 3
+	$(GO) test ./middleware/inbox -run '^$$' -bench 'InboxVsBareTx/deliveries=8$$' -benchtime 3000x -cpuprofile cpu.out -o inbox.test
+	$(GO) tool pprof -top -nodecount 30 inbox.test cpu.out
+
+## bench-stp: store-then-process against River (a unique job per message, worked by River's
+## workers), with the immediate inbox as the reference row, at 1, 8, 32 and 128 deliveries.
+bench-stp:
+	$(GO) test ./tests/bench -run '^$$' -bench StoreThenProcess -benchtime 1000x -count 3

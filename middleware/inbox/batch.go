@@ -87,8 +87,14 @@ func (c BatchConfig) validate(store Store) error {
 	case c.Mode != BatchOptimistic && c.Mode != BatchSavepoints:
 		return fmt.Errorf("%w: unknown Batch.Mode %d", ErrInvalidConfig, c.Mode)
 	}
-	if _, ok := store.(BatchStore); c.Size > 1 && !ok {
+	bs, ok := store.(BatchStore)
+	if c.Size > 1 && !ok {
 		return fmt.Errorf("%w: Batch.Size %d needs a Store that implements BatchStore (group commit); %T does not", ErrInvalidConfig, c.Size, store)
+	}
+	if c.Size > 1 {
+		if err := bs.BatchSupported(); err != nil {
+			return fmt.Errorf("%w: Batch.Size %d: %w", ErrInvalidConfig, c.Size, err)
+		}
 	}
 	return nil
 }

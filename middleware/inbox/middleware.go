@@ -193,6 +193,8 @@ type delivery struct {
 	attempts   int   // the attempt count after the last recorded change, when counted
 	res        Result
 	traceEnd   func(Result) // Config.Tracer's end of the delivery, until called
+	// payloadHash backs params.PayloadHash (SHA-256 of the payload as received).
+	payloadHash [sha256.Size]byte
 }
 
 func (i *Inbox) newDelivery(msg *message.Message) *delivery {
@@ -236,8 +238,8 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 	if i.cfg.MessageTypeKey != "-" {
 		d.params.MessageType = validOrEmpty(msg.Metadata.Get(i.cfg.MessageTypeKey))
 	}
-	sum := sha256.Sum256(msg.Payload)
-	d.params.PayloadHash = sum[:]
+	d.payloadHash = sha256.Sum256(msg.Payload) // held in d: no allocation of its own
+	d.params.PayloadHash = d.payloadHash[:]
 	if i.attempts != nil {
 		d.countFirst = i.cfg.Redelivery == nil || i.cfg.Redelivery(msg) != FirstDelivery
 	}
@@ -247,8 +249,7 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 // handlerMessage returns the copy of the received message that the handler gets, with ctx.
 func (d *delivery) handlerMessage(ctx context.Context) *message.Message {
 	m := message.NewMessage(d.msg.UUID, bytes.Clone(d.msg.Payload))
-	m.Metadata = make(message.Metadata, len(d.msg.Metadata))
-	maps.Copy(m.Metadata, d.msg.Metadata)
+	maps.Copy(m.Metadata, d.msg.Metadata) // into the map NewMessage made: no second map
 	m.SetContext(ctx)
 	return m
 }

@@ -274,6 +274,10 @@ type BatchClaimParams struct {
 // and one COMMIT settles them all.
 type BatchStore interface {
 	Store
+	// BatchSupported returns nil when this store, as configured, can claim batches, or an
+	// error saying why not (pgstore: the compact and partitioned layouts cannot yet). Config
+	// validation calls it, so a batched inbox on such a store is refused at start-up.
+	BatchSupported() error
 	// ClaimBatch opens one transaction and, inside it, claims every key of p.Claims
 	// insert-first, as Claim (or ClaimCounted, with p.Counted) would, in one round trip
 	// where the database allows. It returns the open BatchTx and one result per member, in

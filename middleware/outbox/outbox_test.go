@@ -145,7 +145,8 @@ func TestHandlerOutputGoesThroughTheOutboxOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	relay, runDone := startRelay(t, outbox.RelayConfig{Config: e.cfg, Pool: e.sch.Pool, Publisher: down, PollInterval: 20 * time.Millisecond})
+	// MaxInFlight 1: this test checks commit order, which pipelined publishes do not keep.
+	relay, runDone := startRelay(t, outbox.RelayConfig{Config: e.cfg, Pool: e.sch.Pool, Publisher: down, PollInterval: 20 * time.Millisecond, MaxInFlight: 1})
 	got := collect(t, events, 6, 10*time.Second)
 	var want []*message.Message
 	for _, m := range []*message.Message{pay1, pay2, pay3} {

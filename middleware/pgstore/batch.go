@@ -47,6 +47,19 @@ func (s *Store) batchSQL() batchSQL {
 	}
 }
 
+// ErrBatchLayout is returned by BatchSupported for a store in the compact layout or in
+// partitioned mode: group commit's batch claim is written for the default text layout only.
+var ErrBatchLayout = errors.New("pgstore: group commit (Config.Batch) supports only the default text layout, not the compact layout or partitioned mode")
+
+// BatchSupported returns nil for the default layout and ErrBatchLayout for the compact layout
+// or partitioned mode (inbox.BatchStore).
+func (s *Store) BatchSupported() error {
+	if s.cfg.Layout != LayoutText || s.cfg.Partitioning != nil {
+		return ErrBatchLayout
+	}
+	return nil
+}
+
 // ClaimBatch implements inbox.BatchStore. Everything before the first handler travels in one
 // pipelined round trip, whatever the batch's size:
 //

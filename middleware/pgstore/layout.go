@@ -146,6 +146,7 @@ func (s *Store) applyLayout() {
 	if cfg.Layout == LayoutText && !part {
 		return
 	}
+	s.lockedClaimSQL = "" // written for the default layout's claim; the others lock in a statement of their own
 	cols, vals, conflict := "message_id, consumer_name, message_type, correlation_id, payload_hash", "$1, $2, $3, $4, $5", "message_id, consumer_name"
 	match := "message_id = $1 AND consumer_name = $2"
 	next := 6

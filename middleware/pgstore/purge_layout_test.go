@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/google/uuid"
@@ -91,5 +92,25 @@ func TestPurgeExpiredAndStatsOnEveryLayout(t *testing.T) {
 				t.Errorf("stats after: rows %d, per consumer %v; want 10", st.Rows, st.PerConsumer)
 			}
 		})
+	}
+}
+
+// TestBatchedInboxRefusedOnOtherLayouts: group commit's batch claim is written for the default
+// layout, so a batched inbox on the compact layout or a partitioned table is refused when it is
+// built (inbox.ErrInvalidConfig wrapping pgstore.ErrBatchLayout), never at the first delivery.
+func TestBatchedInboxRefusedOnOtherLayouts(t *testing.T) {
+	for _, cfg := range []pgstore.Config{
+		{Layout: pgstore.LayoutCompact},
+		{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+	} {
+		s, _ := layoutStore(t, 2, cfg)
+		_, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", Batch: inbox.BatchConfig{Size: 8}}, nil)
+		if !errors.Is(err, inbox.ErrInvalidConfig) || !errors.Is(err, pgstore.ErrBatchLayout) {
+			t.Errorf("layout %v, partitioned %v: inbox.New = %v; want ErrInvalidConfig and ErrBatchLayout", cfg.Layout, cfg.Partitioning != nil, err)
+		}
+	}
+	s, _ := layoutStore(t, 2, pgstore.Config{})
+	if _, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", Batch: inbox.BatchConfig{Size: 8}}, nil); err != nil {
+		t.Errorf("the default layout: %v", err)
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -118,6 +119,9 @@ type Store struct {
 	consumerMatch func(param string) string
 	consumers     string
 	registered    sync.Map
+	// lockedClaimSQL is claimSQL that first takes the key's transaction-level advisory lock
+	// ($6: lockKey), in the same statement; empty in the compact and partitioned layouts.
+	lockedClaimSQL string
 }
 
 var (
@@ -179,6 +183,12 @@ func newNames(cfg Config) (*Store, error) {
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
 		attempts: attempts,
 		claimSQL: insert,
+		// The lock is taken by the subquery before its one row reaches the INSERT, so the
+		// claim meets the key's lock exactly as a lock statement sent before it would, one
+		// statement fewer per delivery (pg_advisory_xact_lock is volatile: never folded away).
+		lockedClaimSQL: "INSERT INTO " + table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
+			" SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea FROM (SELECT pg_advisory_xact_lock(hashtextextended($6, 0))) AS key_lock" +
+			" ON CONFLICT (message_id, consumer_name) DO NOTHING",
 		// The key's attempt record, read in a statement of its own after the claim, so that
 		// under READ COMMITTED it sees what the transaction it waited for recorded.
 		recordSQL: "SELECT attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + attempts +
@@ -263,13 +273,15 @@ func (s *Store) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox
 // ClaimCounted implements inbox.AttemptStore. Everything before the handler travels in one
 // pipelined round trip:
 //
-//   - with CountFirst: BEGIN; SET LOCAL synchronous_commit TO OFF; the local timeouts;
-//     pg_advisory_lock on the key (a session-level lock, held until the claim transaction
-//     ends, so counted deliveries of one key count one at a time); the count, unless the key
+//   - with CountFirst: BEGIN; the local timeouts; pg_advisory_lock on the key (a
+//     session-level lock, held until the claim transaction ends, so counted deliveries of
+//     one key count one at a time) with synchronous_commit set off locally, in one
+//     statement; the count, unless the key
 //     is processed (INSERT ... SELECT ... WHERE NOT EXISTS ... ON CONFLICT DO UPDATE SET
 //     attempts = attempts + 1); COMMIT;
-//   - BEGIN ISOLATION LEVEL ...; the local timeouts; the claim; the key's attempt record, read
-//     by a statement of its own (so that under READ COMMITTED it sees what a delivery that
+//   - BEGIN ISOLATION LEVEL ...; the local timeouts; the claim (which first takes the key's
+//     transaction-level advisory lock when the delivery did not count first); the key's
+//     attempt record, read by a statement of its own (so that under READ COMMITTED it sees what a delivery that
 //     held the claim before recorded).
 //
 // The count commits asynchronously (synchronous_commit off): it survives any crash of the
@@ -312,9 +324,10 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		// The transaction pgx hands back is the second BEGIN below: the first is the
 		// count's own, committed inside the same pipeline.
 		b.BeginTx(pgx.TxOptions{})
-		b.Queue("set local synchronous_commit to off")
 		s.queueTimeouts(b)
-		b.Queue("select pg_advisory_lock(hashtextextended($1, 0))", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
+		// The key's session lock, and synchronous_commit off for this transaction only
+		// (set_config with is_local), in one statement.
+		b.Queue("select pg_advisory_lock(hashtextextended($1, 0)), set_config('synchronous_commit', 'off', true)", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
 			t.locked = true
 			return nil
 		})
@@ -328,13 +341,20 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
+	claimSQL, args := s.claimSQL, s.claimArgs(p.ClaimParams, period)
 	if counted && !p.CountFirst {
 		// A counted claim that did not count first still takes the key's lock, for its
 		// transaction only: while its handler runs no copy can count, so its Fail reports
-		// its own failure, never a waiting copy's count.
-		b.Queue("select pg_advisory_xact_lock(hashtextextended($1, 0))", s.lockKey(k))
+		// its own failure, never a waiting copy's count. In the default layout the claim
+		// statement takes it before it inserts; the other layouts send it just before.
+		if s.lockedClaimSQL != "" {
+			claimSQL = s.lockedClaimSQL
+			args = append(args, s.lockKey(k))
+		} else {
+			b.Queue("select pg_advisory_xact_lock(hashtextextended($1, 0))", s.lockKey(k))
+		}
 	}
-	b.Queue(s.claimSQL, s.claimArgs(p.ClaimParams, period)...).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
 		res.Claimed = ct.RowsAffected() == 1
 		return nil
 	})
@@ -720,9 +740,22 @@ const unlockSQL = "select pg_advisory_unlock_all()"
 
 // finishPipeline sends sqls (no parameters but the key, given as $1 and $2 where used) as
 // unnamed statements in one pipeline, then, when the transaction holds the key's advisory
-// lock, the unlock. It returns each statement's result in order (fewer after an error: the
-// server skips the rest of the pipeline) and whether the lock was released.
+// lock, the unlock: in the same statement as a last clearProcessedSQL (a data-modifying CTE
+// always runs to completion, and the unlock runs only if it succeeded), else as a statement of
+// its own. It returns each statement's result in order (fewer after an error: the server
+// skips the rest of the pipeline) and whether the lock was released.
 func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn.Result, error) {
+	sqls = slices.Clone(sqls)
+	unlockAt := -1 // the statement whose success releases the lock
+	if t.locked {
+		if last := len(sqls) - 1; last >= 0 && sqls[last] == t.s.clearProcessedSQL {
+			sqls[last] = "WITH cleared AS (" + t.s.clearProcessedSQL + ") " + unlockSQL
+			unlockAt = last
+		} else {
+			sqls = append(sqls, unlockSQL)
+			unlockAt = len(sqls) - 1
+		}
+	}
 	b := &pgconn.Batch{}
 	key := [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}
 	if t.s.cfg.Partitioning != nil {
@@ -738,11 +771,8 @@ func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn
 		}
 		b.ExecParams(q, args, nil, nil, nil)
 	}
-	if t.locked {
-		b.ExecParams(unlockSQL, nil, nil, nil, nil)
-	}
 	results, err := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
-	if t.locked && err == nil && len(results) == len(sqls)+1 && results[len(sqls)].Err == nil {
+	if unlockAt >= 0 && err == nil && len(results) > unlockAt && results[unlockAt].Err == nil {
 		t.locked = false
 	}
 	return results, err
@@ -753,7 +783,7 @@ func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn
 // now processed (so it sees records committed after the claim's snapshot, at every isolation
 // level, and deletes nothing when COMMIT answered ROLLBACK); a crash between the two leaves a
 // stale record of a processed key, which the key's next duplicate removes. A held advisory
-// lock is released in the same pipeline.
+// lock is released in the same pipeline (in the clean-up statement itself when there is one).
 //
 // An error wraps inbox.ErrCommitRolledBack when the rollback is certain: the server answered
 // ROLLBACK (a statement in the transaction had failed) or COMMIT raised an error (a

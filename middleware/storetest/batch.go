@@ -30,6 +30,9 @@ func runBatch(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 			if !ok {
 				t.Skip("the store does not implement inbox.BatchStore")
 			}
+			if err := bs.BatchSupported(); err != nil {
+				t.Skipf("the store, as configured, claims no batches: %v", err)
+			}
 			if _, ok := s.(inbox.AttemptStore); tc.counted && !ok {
 				t.Skip("the store does not implement inbox.AttemptStore")
 			}

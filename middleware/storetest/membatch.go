@@ -11,6 +11,9 @@ import (
 
 var _ inbox.BatchStore = (*MemStore)(nil)
 
+// BatchSupported returns nil: MemStore claims batches (inbox.BatchStore).
+func (s *MemStore) BatchSupported() error { return nil }
+
 // ClaimBatch implements inbox.BatchStore: each key is claimed as Claim (or ClaimCounted)
 // would, in the order given, and the batch holds them until it ends. The members' handlers
 // write through one MemTx (MemTxFromContext) whose writes take effect at Commit.
