@@ -54,8 +54,8 @@ import (
 	"github.com/vmihailenco/msgpack"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
-	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
