@@ -4,6 +4,7 @@
 //	watermill-inbox migrate --print          # print the SQL for your own migration tool
 //	watermill-inbox migrate --schema billing --table inbox
 //	watermill-inbox migrate --outbox         # also the outbox tables (topic inbox_outbox)
+//	watermill-inbox grants --role app --outbox   # the application role's GRANT statements
 //	watermill-inbox --version
 //
 // The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL). Exit
@@ -69,6 +70,7 @@ func rootCmd() *cobra.Command {
 		Version:       version(),
 	}
 	root.AddCommand(migrateCmd())
+	root.AddCommand(grantsCmd())
 	return root
 }
 
