@@ -131,12 +131,38 @@ func Logger(l watermill.LoggerAdapter, urls ...string) watermill.LoggerAdapter {
 		l = r.l
 		urls = append(append([]string(nil), r.urls...), urls...)
 	}
-	return logger{l: l, urls: urls}
+	return logger{l: l, urls: urls, stopAsInfo: true}
+}
+
+// Escape wraps a Watermill logger so that string field values, and the error's text, with
+// control characters are quoted (String): no value can end a log line and forge another,
+// whatever the backend. Unlike Logger it changes no level. A nil l discards logs.
+func Escape(l watermill.LoggerAdapter) watermill.LoggerAdapter {
+	if l == nil {
+		return watermill.NopLogger{}
+	}
+	if _, ok := l.(logger); ok {
+		return l
+	}
+	return logger{l: l}
 }
 
 type logger struct {
-	l    watermill.LoggerAdapter
-	urls []string
+	l          watermill.LoggerAdapter
+	urls       []string
+	stopAsInfo bool // an error caused by context.Canceled is logged at INFO
+}
+
+// escapedError is an error whose text was quoted or masked, wrapping the original.
+func (r logger) err(err error) error {
+	if err == nil {
+		return nil
+	}
+	err = Err(err, r.urls...)
+	if t := err.Error(); String(t) != t {
+		return &Error{text: String(t), err: err}
+	}
+	return err
 }
 
 // clean is Clean with the logger's URLs masked in string and error values.
@@ -151,14 +177,14 @@ func (r logger) clean(fields watermill.LogFields) watermill.LogFields {
 		case string:
 			v = URLsIn(x, r.urls...)
 		case error:
-			v = URLsIn(x.Error(), r.urls...)
+			v = String(URLsIn(x.Error(), r.urls...))
 		}
 		out[k] = v
 	}
 	return out
 }
 
-func (r logger) msg(m string) string { return URLsIn(m, r.urls...) }
+func (r logger) msg(m string) string { return String(URLsIn(m, r.urls...)) }
 
 // Clean returns fields with Fields' values replaced by "<redacted>" and string values with
 // control characters quoted; fields itself is never modified.
@@ -169,7 +195,7 @@ func Clean(fields watermill.LogFields) watermill.LogFields {
 			dirty = true
 			break
 		}
-		if s, ok := v.(string); ok && String(s) != s {
+		if s, ok := text(v); ok && String(s) != s {
 			dirty = true
 			break
 		}
@@ -183,7 +209,7 @@ func Clean(fields watermill.LogFields) watermill.LogFields {
 		case Fields[k]:
 			v = "<redacted>"
 		default:
-			if s, ok := v.(string); ok {
+			if s, ok := text(v); ok && String(s) != s {
 				v = String(s)
 			}
 		}
@@ -192,16 +218,27 @@ func Clean(fields watermill.LogFields) watermill.LogFields {
 	return out
 }
 
+// text returns a field value's text when it is a string or an error.
+func text(v any) (string, bool) {
+	switch x := v.(type) {
+	case string:
+		return x, true
+	case error:
+		return x.Error(), true
+	}
+	return "", false
+}
+
 func (r logger) Error(msg string, err error, fields watermill.LogFields) {
-	if errors.Is(err, context.Canceled) {
+	if r.stopAsInfo && errors.Is(err, context.Canceled) {
 		r.l.Info(r.msg(msg)+" (stopping)", r.clean(fields).Add(watermill.LogFields{"error": String(URLsIn(err.Error(), r.urls...))}))
 		return
 	}
-	r.l.Error(r.msg(msg), Err(err, r.urls...), r.clean(fields))
+	r.l.Error(r.msg(msg), r.err(err), r.clean(fields))
 }
 func (r logger) Info(msg string, fields watermill.LogFields)  { r.l.Info(r.msg(msg), r.clean(fields)) }
 func (r logger) Debug(msg string, fields watermill.LogFields) { r.l.Debug(r.msg(msg), r.clean(fields)) }
 func (r logger) Trace(msg string, fields watermill.LogFields) { r.l.Trace(r.msg(msg), r.clean(fields)) }
 func (r logger) With(fields watermill.LogFields) watermill.LoggerAdapter {
-	return logger{l: r.l.With(r.clean(fields)), urls: r.urls}
+	return logger{l: r.l.With(r.clean(fields)), urls: r.urls, stopAsInfo: r.stopAsInfo}
 }

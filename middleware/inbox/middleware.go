@@ -17,6 +17,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 )
 
 // Stats are counters since the Inbox was created. Each field counts deliveries (one call of
@@ -75,7 +77,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	i := &Inbox{cfg: cfg, logger: logger.With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
+	// Every field and error text with a control character is quoted (internal/redact.Escape):
+	// a key, or an error that quotes one, cannot forge a log line.
+	i := &Inbox{cfg: cfg, logger: redact.Escape(logger).With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
 	if cfg.DeadLetterPublisher != nil {
 		i.attempts = cfg.Store.(AttemptStore) // checked by Validate
 	}

@@ -86,6 +86,14 @@ type Config struct {
 	// StatementTimeout bounds every statement in the inbox transaction (PostgreSQL
 	// statement_timeout, set locally; SQLSTATE 57014). Zero keeps the server's setting.
 	StatementTimeout time.Duration
+	// ClaimLockTimeout bounds how long a claim holds its pool connection while it waits on a
+	// lock of its key (the uncommitted claim of a delivery in flight, the key's attempt
+	// lock): past it the claim releases the connection and waits in process, without one,
+	// then tries again (see claimwait.go), until the key is free, LockTimeout (when set) has
+	// passed in all, or the claim's context ends (the inbox's ClaimTimeout). So a flood of
+	// copies of one message cannot hold every pool connection and starve other keys. Zero
+	// means DefaultClaimLockTimeout; negative waits on the server, holding the connection.
+	ClaimLockTimeout time.Duration
 }
 
 // Store is the pgx v5 inbox store. It is safe for concurrent use.
@@ -112,6 +120,9 @@ var (
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pgstore: nil pool", inbox.ErrInvalidConfig)
+	}
+	if cfg.ClaimLockTimeout == 0 {
+		cfg.ClaimLockTimeout = DefaultClaimLockTimeout
 	}
 	if cfg.LockTimeout < 0 || cfg.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: pgstore: negative timeout", inbox.ErrInvalidConfig)
@@ -250,15 +261,15 @@ func (s *Store) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (i
 	return t, res, err
 }
 
-func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
+func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
 	var res inbox.CountedClaimResult
 	lvl, err := isoLevel(p.Isolation)
 	if err != nil {
 		return nil, res, err
 	}
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.acquire(ctx)
 	if err != nil {
-		return nil, res, fmt.Errorf("acquire a connection: %w", err)
+		return nil, res, err
 	}
 	t := &claimTx{s: s, conn: conn, key: p.Key, finish: p.FinishTimeout, counted: counted, iso: lvl}
 	if t.finish <= 0 {
@@ -272,6 +283,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		b.BeginTx(pgx.TxOptions{})
 		b.Queue("set local synchronous_commit to off")
 		s.queueTimeouts(b)
+		s.queueClaimLockTimeout(b, false)
 		b.Queue("select pg_advisory_lock(hashtextextended($1, 0))", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
 			t.locked = true
 			return nil
@@ -286,6 +298,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
+	s.queueClaimLockTimeout(b, true)
 	if counted && !p.CountFirst {
 		// A counted claim that did not count first still takes the key's lock, for its
 		// transaction only: while its handler runs no copy can count, so its Fail reports
@@ -311,8 +324,14 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 			return err
 		})
 	}
+	s.queueRestoreLockTimeout(b)
 	err = s.sendClaim(ctx, conn, b, t)
 	if err != nil {
+		if counted && p.CountFirst {
+			// A session lock whose wait timed out (55P03) or was cancelled just as it was
+			// granted stays held though the statement failed: release it in any case.
+			t.locked = true
+		}
 		_ = t.end(ctx, func(ctx context.Context) error {
 			_, _ = t.conn.Exec(ctx, "rollback")
 			if res.Counted {
