@@ -139,11 +139,11 @@ func TestNothingSecretOrForgedInTraceLogs(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	publish("m-1", "k-1", 10, "ok")       // processed, relayed
-	publish("m-2", "k-1", 10, "ok")       // duplicate (same key, same payload)
-	publish("m-3", "k-1", 99, "ok")       // key collision: dead-lettered
-	publish("m-4", "k-4", 5, "poison")    // poison: dead-lettered (MaxAttempts 1)
-	publish("m-5", "", 5, "no key")       // invalid key: dead-lettered
+	publish("m-1", "k-1", 10, "ok")    // processed, relayed
+	publish("m-2", "k-1", 10, "ok")    // duplicate (same key, same payload)
+	publish("m-3", "k-1", 99, "ok")    // key collision: dead-lettered
+	publish("m-4", "k-4", 5, "poison") // poison: dead-lettered (MaxAttempts 1)
+	publish("m-5", "", 5, "no key")    // invalid key: dead-lettered
 	count := func(sql string) int64 {
 		var n int64
 		if err := sch.Pool.QueryRow(ctx, sql).Scan(&n); err != nil {
