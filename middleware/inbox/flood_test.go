@@ -38,7 +38,7 @@ func flood(h message.HandlerFunc, msg *message.Message) (wait func()) {
 }
 
 // TestSameKeyFloodDoesNotStarveOtherKeys: 100 concurrent copies of one message, whose first
-// delivery holds its claim for 2 s, with a pool of 5 connections and a ClaimTimeout of 1 s
+// delivery holds its claim for 4 s, with a pool of 5 connections and a ClaimTimeout of 3 s
 // (shorter than the flood's hold): a copy gives its connection back after
 // pgstore.DefaultClaimLockTimeout and waits without one, so 40 unrelated messages delivered
 // meanwhile are each processed at their first delivery (before, the copies held every
@@ -53,7 +53,7 @@ func TestSameKeyFloodDoesNotStarveOtherKeys(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			e := newEnv(t, floodPool)
-			mods := []func(*inbox.Config){func(c *inbox.Config) { c.ClaimTimeout = time.Second }}
+			mods := []func(*inbox.Config){func(c *inbox.Config) { c.ClaimTimeout = 3 * time.Second }}
 			var dl *deadLetters
 			if counted {
 				dl = newDeadLetters(t)
@@ -65,7 +65,7 @@ func TestSameKeyFloodDoesNotStarveOtherKeys(t *testing.T) {
 			h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 				if msg.UUID == "m-flood" && floodRuns.Add(1) == 1 {
 					close(started)
-					time.Sleep(2 * time.Second)
+					time.Sleep(4 * time.Second)
 				}
 				return e.credit(msg)
 			})

@@ -333,7 +333,9 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	cancel()
 	d.res.Claim = time.Since(start)
 	if err != nil {
-		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: claim: %w", err)}
+		err = fmt.Errorf("inbox: claim: %w", err)
+		i.configurationFault(err) // a missing privilege or table is logged at ERROR
+		return &failure{kind: failInfrastructure, err: err}
 	}
 	switch {
 	case rec.DeadLettered:

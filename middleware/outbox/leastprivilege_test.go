@@ -237,6 +237,30 @@ func TestLeastPrivilegedRoleRunsTheWholePath(t *testing.T) {
 	if b, o := balance(), outboxRows(); b != 15 || o != 4 {
 		t.Fatalf("balance %d, outbox rows %d; want 15 and 4", b, o)
 	}
+
+	// A grant missing on the claim's path: INSERT on the inbox table. The count made before
+	// the claim is taken back; an ERROR line names the fault.
+	faults := strings.Count(logs.String(), "Configuration fault")
+	sch.Exec(t, "REVOKE INSERT ON "+store.Table()+" FROM "+pgx.Identifier{role}.Sanitize())
+	m3 := paymentMsg("m-3", 1, 1)
+	for i := range 3 {
+		if err := deliver(m3); err == nil {
+			t.Fatalf("delivery %d of m-3 acked without INSERT on the inbox table", i+1)
+		}
+	}
+	if n := count("SELECT count(*) FROM " + store.AttemptsTable() + " WHERE message_id = 'm-3'"); n != 0 || dl.count() != 1 {
+		t.Fatalf("attempt rows of m-3 %d, dead letters %d; want 0 and 1", n, dl.count())
+	}
+	if f := strings.Count(logs.String(), "Configuration fault"); f < faults+3 {
+		t.Fatalf("%d new configuration-fault lines for 3 refused claims:\n%s", f-faults, logs.String())
+	}
+	sch.Exec(t, "GRANT INSERT ON "+store.Table()+" TO "+pgx.Identifier{role}.Sanitize())
+	if err := deliver(m3); err != nil {
+		t.Fatalf("m-3 after the grant: %v", err)
+	}
+	if b := balance(); b != 16 {
+		t.Fatalf("balance %d, want 16", b)
+	}
 }
 
 var errPoison = errors.New("poison: the handler always fails")

@@ -30,12 +30,11 @@ const (
 )
 
 // ErrClaimInFlight is wrapped by a claim's error when its key stayed claimed by another
-// delivery (an uncommitted claim, or the key's attempt lock held by a counted delivery) for
-// all the time the claim could wait: Config.LockTimeout when set, else until its context
-// ended (the inbox's ClaimTimeout). The claim held no pool connection while it waited, and
+// delivery (an uncommitted claim, or the key's attempt lock held by a counted delivery) until
+// the claim's context ended (the inbox's ClaimTimeout). The claim held no pool connection while it waited, and
 // counted nothing: the inbox nacks it without using up an attempt, and the redelivery is a
-// duplicate once the delivery in flight commits. The error also wraps the last lock wait's
-// *pgconn.PgError (SQLSTATE 55P03) or the context's error.
+// duplicate once the delivery in flight commits. The error also wraps the context's error and
+// the last lock wait's *pgconn.PgError (SQLSTATE 55P03).
 var ErrClaimInFlight = errors.New("pgstore: the key is claimed by a delivery in flight")
 
 // ErrWaitingForConnection is wrapped by a claim's error when its context ended while it
@@ -60,16 +59,13 @@ func (s *Store) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 }
 
 // claimLockTimeout is the lock_timeout of the claim's statements, or 0 to leave lock_timeout
-// as it is (a negative ClaimLockTimeout: wait on the server).
+// as it is: a negative ClaimLockTimeout, or a LockTimeout set (which already bounds how long a
+// claim holds its connection while it waits: past it the claim fails with 55P03).
 func (s *Store) claimLockTimeout() time.Duration {
-	d := s.cfg.ClaimLockTimeout
-	if d < 0 {
+	if s.cfg.ClaimLockTimeout < 0 || s.cfg.LockTimeout > 0 {
 		return 0
 	}
-	if s.cfg.LockTimeout > 0 && s.cfg.LockTimeout < d {
-		d = s.cfg.LockTimeout
-	}
-	return d
+	return s.cfg.ClaimLockTimeout
 }
 
 // queueClaimLockTimeout queues the claim's lock_timeout. In the claim transaction (restore)
@@ -104,8 +100,8 @@ func isLockNotAvailable(err error) bool {
 // claim runs claimOnce; when its key is held by a delivery in flight (a lock wait past the
 // claim's short lock_timeout, SQLSTATE 55P03), claimOnce has rolled back, taken back any
 // count and released its connection, and claim waits without a connection, then tries again:
-// until it claims or finds a duplicate, LockTimeout (when set) has passed in all, or ctx ends.
-// Then the error wraps ErrClaimInFlight. A negative ClaimLockTimeout waits on the server.
+// until it claims or finds a duplicate, or ctx ends; then the error wraps ErrClaimInFlight.
+// With LockTimeout set, or a negative ClaimLockTimeout, the claim waits on the server once.
 func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
 	if s.claimLockTimeout() == 0 {
 		return s.claimOnce(ctx, p, counted)
@@ -117,16 +113,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		if err == nil || !isLockNotAvailable(err) {
 			return t, res, err
 		}
-		waited := time.Since(start)
-		wait := pause/2 + rand.N(pause/2+1)
-		if s.cfg.LockTimeout > 0 {
-			left := s.cfg.LockTimeout - waited
-			if left <= 0 {
-				return nil, inbox.CountedClaimResult{}, fmt.Errorf("%w (waited %s, LockTimeout %s): %w", ErrClaimInFlight, waited.Round(time.Millisecond), s.cfg.LockTimeout, err)
-			}
-			wait = min(wait, left)
-		}
-		timer := time.NewTimer(wait)
+		timer := time.NewTimer(pause/2 + rand.N(pause/2+1))
 		select {
 		case <-ctx.Done():
 			timer.Stop()

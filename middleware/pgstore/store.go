@@ -89,10 +89,11 @@ type Config struct {
 	// ClaimLockTimeout bounds how long a claim holds its pool connection while it waits on a
 	// lock of its key (the uncommitted claim of a delivery in flight, the key's attempt
 	// lock): past it the claim releases the connection and waits in process, without one,
-	// then tries again (see claimwait.go), until the key is free, LockTimeout (when set) has
-	// passed in all, or the claim's context ends (the inbox's ClaimTimeout). So a flood of
-	// copies of one message cannot hold every pool connection and starve other keys. Zero
-	// means DefaultClaimLockTimeout; negative waits on the server, holding the connection.
+	// then tries again (see claimwait.go), until the key is free or the claim's context ends
+	// (the inbox's ClaimTimeout; ErrClaimInFlight). So a flood of copies of one message
+	// cannot hold every pool connection and starve other keys. Zero means
+	// DefaultClaimLockTimeout; negative waits on the server, holding the connection. With
+	// LockTimeout set, the claim waits on the server up to LockTimeout instead (55P03 past it).
 	ClaimLockTimeout time.Duration
 }
 
