@@ -16,7 +16,7 @@ import (
 
 // DefaultClaimLockTimeout is Config.ClaimLockTimeout's default: a claim that meets a lock of
 // its key for longer gives its connection back and waits in process.
-const DefaultClaimLockTimeout = 20 * time.Millisecond
+const DefaultClaimLockTimeout = 2 * time.Millisecond
 
 // SQLStateLockNotAvailable is lock_not_available (class 55), raised when a lock wait passes
 // lock_timeout.
@@ -26,7 +26,7 @@ const SQLStateLockNotAvailable = "55P03"
 // doubled after each try up to the last, with jitter (half to all of it).
 const (
 	claimRetryFirstPause = 10 * time.Millisecond
-	claimRetryMaxPause   = 250 * time.Millisecond
+	claimRetryMaxPause   = 500 * time.Millisecond
 )
 
 // ErrClaimInFlight is wrapped by a claim's error when its key stayed claimed by another
