@@ -45,7 +45,7 @@ func NewSchema(t testing.TB, maxConns int32) *Schema {
 	}
 	u, err := url.Parse(DatabaseURL())
 	if err != nil {
-		t.Fatalf("parse INBOX_DATABASE_URL: %v", err)
+		t.Fatalf("parse INBOX_DATABASE_URL %s: invalid URL", Redact(DatabaseURL())) // url.Error would print the password
 	}
 	q := u.Query()
 	q.Set("search_path", name)

@@ -36,6 +36,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
@@ -315,7 +316,9 @@ func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Route
 	if err != nil {
 		return nil, err
 	}
-	r, err := message.NewRouter(message.RouterConfig{}, logger)
+	// Watermill's router logs message UUIDs and handler errors: quoted when they hold control
+	// characters, so a producer cannot forge log lines (internal/redact.Escape).
+	r, err := message.NewRouter(message.RouterConfig{}, redact.Escape(logger))
 	if err != nil {
 		_ = b.Close()
 		return nil, err

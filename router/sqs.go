@@ -13,6 +13,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -39,7 +40,7 @@ func validateSQS(c Config) error {
 		return nil
 	}
 	if u, err := url.Parse(c.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return fmt.Errorf("%w: router: broker %q: %s = %q is not an http(s) endpoint (leave it empty for AWS's endpoint for the region)", inbox.ErrInvalidConfig, c.Broker, c.setting("INBOX_BROKER_URL", "url", "URL"), c.URL)
+		return fmt.Errorf("%w: router: broker %q: %s = %q is not an http(s) endpoint (leave it empty for AWS's endpoint for the region)", inbox.ErrInvalidConfig, c.Broker, c.setting("INBOX_BROKER_URL", "url", "URL"), redact.URL(c.URL))
 	}
 	return nil
 }
@@ -66,5 +67,5 @@ func newSQSBroker(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker,
 		opts = append(opts, sqs.QueryProtocol)
 	}
 	c.OptFns = opts
-	return sqs.New(c, logger)
+	return sqs.New(c, redact.Logger(logger, cfg.URL)) // the endpoint's password is never logged
 }

@@ -42,6 +42,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -145,13 +146,12 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
+	// The URL's password never reaches a log line or an error (internal/redact).
+	logger = redact.Logger(logger, cfg.URL)
 	newSub := func(group string) (*wamqp.Subscriber, error) {
 		sub, err := wamqp.NewSubscriber(cfg.WatermillConfig(group), logger)
 		if err != nil {
-			return nil, fmt.Errorf("amqp adapter: subscriber of consumer group %q: %w", group, err)
+			return nil, fmt.Errorf("amqp adapter: subscriber of consumer group %q at %s: %w", group, redact.URL(cfg.URL), redact.Err(err, cfg.URL))
 		}
 		return sub, nil
 	}
@@ -162,7 +162,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	pub, err := wamqp.NewPublisher(cfg.WatermillConfig(""), logger)
 	if err != nil {
 		_ = sub.Close()
-		return nil, fmt.Errorf("amqp adapter: publisher: %w", err)
+		return nil, fmt.Errorf("amqp adapter: publisher at %s: %w", redact.URL(cfg.URL), redact.Err(err, cfg.URL))
 	}
 	b := &adapters.Broker{
 		Name:       Name,

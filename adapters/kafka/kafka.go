@@ -13,6 +13,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -303,9 +304,9 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscrib
 	if err != nil {
 		return nil, err
 	}
-	sub, err := wmkafka.NewSubscriber(sc, logger)
+	sub, err := wmkafka.NewSubscriber(sc, redact.Logger(logger, cfg.Brokers...))
 	if err != nil {
-		return nil, fmt.Errorf("kafka: subscriber: %w", err)
+		return nil, fmt.Errorf("kafka: subscriber: %w", redact.Err(err, cfg.Brokers...))
 	}
 	return sub, nil
 }
@@ -319,9 +320,9 @@ func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (message.Publisher
 	if err != nil {
 		return nil, err
 	}
-	pub, err := wmkafka.NewPublisher(pc, logger)
+	pub, err := wmkafka.NewPublisher(pc, redact.Logger(logger, cfg.Brokers...))
 	if err != nil {
-		return nil, fmt.Errorf("kafka: publisher: %w", err)
+		return nil, fmt.Errorf("kafka: publisher: %w", redact.Err(err, cfg.Brokers...))
 	}
 	return pub, nil
 }
@@ -374,8 +375,12 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 // by commas, optionally behind a kafka:// scheme (kafka://k1:9092,k2:9092); spaces around
 // entries and a trailing slash are ignored. It returns an error wrapping inbox.ErrInvalidConfig
 // for another scheme, an empty list or entry, or an entry that is not host:port.
+//
+// A list is printed in errors with every entry's password masked (internal/redact.URL).
 func ParseBrokers(s string) ([]string, error) {
-	rest := strings.TrimSpace(s)
+	raw := s
+	s = redactBrokers(s)
+	rest := strings.TrimSpace(raw)
 	if scheme, after, ok := strings.Cut(rest, "://"); ok {
 		if !strings.EqualFold(scheme, "kafka") {
 			return nil, invalid(fmt.Sprintf("broker list %q: scheme %q, want kafka:// or none", s, scheme))
@@ -393,11 +398,20 @@ func ParseBrokers(s string) ([]string, error) {
 			return nil, invalid(fmt.Sprintf("broker list %q: entry %d is empty", s, i))
 		}
 		if _, port, err := net.SplitHostPort(b); err != nil || port == "" {
-			return nil, invalid(fmt.Sprintf("broker list %q: entry %q is not host:port", s, b))
+			return nil, invalid(fmt.Sprintf("broker list %q: entry %q is not host:port", s, redact.URL(b)))
 		}
 		out = append(out, b)
 	}
 	return out, nil
+}
+
+// redactBrokers is a broker list for errors: each entry with its password masked.
+func redactBrokers(list string) string {
+	parts := strings.Split(list, ",")
+	for i, p := range parts {
+		parts[i] = redact.URL(p)
+	}
+	return strings.Join(parts, ",")
 }
 
 // BrokerSideFields names the values watermill-kafka v3 exposes about a consumed record that

@@ -61,6 +61,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -165,9 +166,8 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
+	// The URLs' passwords never reach a log line or an error (internal/redact).
+	logger = redact.Logger(logger, natsURLs(cfg.URL)...)
 	opts := append([]natsgo.Option{natsgo.Name("watermill-inbox"), natsgo.MaxReconnects(-1)}, cfg.NatsOptions...)
 
 	sub, err := newSubscriber(cfg, opts, logger)
@@ -178,7 +178,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	pubConn, err := natsgo.Connect(cfg.URL, opts...)
 	if err != nil {
 		_ = sub.Close()
-		return nil, fmt.Errorf("nats adapter: connect: %w", err)
+		return nil, fmt.Errorf("nats adapter: connect to %s: %w", redactedURLs(cfg.URL), redact.Err(err, natsURLs(cfg.URL)...))
 	}
 	pubJS, err := jetStream(pubConn)
 	if err != nil {
@@ -217,7 +217,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 func newSubscriber(cfg Config, opts []natsgo.Option, logger watermill.LoggerAdapter) (*subscriber, error) {
 	subConn, err := natsgo.Connect(cfg.URL, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("nats adapter: connect: %w", err)
+		return nil, fmt.Errorf("nats adapter: connect to %s: %w", redactedURLs(cfg.URL), redact.Err(err, natsURLs(cfg.URL)...))
 	}
 	subJS, err := jetStream(subConn)
 	if err != nil {
@@ -244,6 +244,24 @@ func newSubscriber(cfg Config, opts []natsgo.Option, logger watermill.LoggerAdap
 		return nil, fmt.Errorf("nats adapter: subscriber: %w", err)
 	}
 	return &subscriber{Subscriber: sub, streams: &streams{js: subJS, template: cfg.Stream}, cfg: cfg}, nil
+}
+
+// natsURLs splits Config.URL, a comma-separated list of server URLs (nats.Connect's form).
+func natsURLs(list string) []string {
+	urls := strings.Split(list, ",")
+	for i := range urls {
+		urls[i] = strings.TrimSpace(urls[i])
+	}
+	return urls
+}
+
+// redactedURLs is Config.URL for errors, each URL's password masked (internal/redact.URL).
+func redactedURLs(list string) string {
+	urls := natsURLs(list)
+	for i, u := range urls {
+		urls[i] = redact.URL(u)
+	}
+	return strings.Join(urls, ",")
 }
 
 // jetStream returns conn's JetStream context after checking that the server has JetStream on.

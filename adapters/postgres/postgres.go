@@ -22,6 +22,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -85,15 +86,17 @@ func (c Config) Validate() error {
 // an offset row of its own in the topic's offsets table: every group reads every message, and
 // a group that subscribes for the first time starts at the topic's first message (nothing
 // published before is missed). Redelivery is adapters.UnknownRedelivery: watermill-sql
-// exposes no delivery count, and a nacked message is re-sent in process.
+// exposes no delivery count, and a nacked message is re-sent in process. The logger is
+// wrapped so that payloads and metadata (watermill-sql's query_args) are never logged; a nil
+// logger discards logs.
 func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
+	// watermill-sql logs every statement's arguments (payloads and metadata) as query_args
+	// at trace level: they never reach the user's logger.
+	logger = redact.Logger(logger)
 	schema := sql.DefaultPostgreSQLSchema{
 		GeneratePayloadType: func(string) string { return "BYTEA" },
 		SubscribeBatchSize:  cfg.BatchSize,

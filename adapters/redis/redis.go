@@ -56,6 +56,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -141,7 +142,7 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: redis adapter: negative NackResendSleep, MaxIdleTime, ClaimInterval or MaxLen", inbox.ErrInvalidConfig)
 	}
 	if _, err := goredis.ParseURL(c.URL); err != nil {
-		return fmt.Errorf("%w: redis adapter: URL: %v", inbox.ErrInvalidConfig, err)
+		return fmt.Errorf("%w: redis adapter: URL %s: %v", inbox.ErrInvalidConfig, redact.URL(c.URL), redact.Err(err, c.URL))
 	}
 	return nil
 }
@@ -153,9 +154,8 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
+	// The URL's password never reaches a log line or an error (internal/redact).
+	logger = redact.Logger(logger, cfg.URL)
 	sub, err := newSubscriber(cfg, logger)
 	if err != nil {
 		return nil, err
@@ -194,7 +194,7 @@ func newSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscrib
 	defer cancel()
 	if err := subClient.Ping(ctx).Err(); err != nil {
 		_ = subClient.Close()
-		return nil, fmt.Errorf("redis adapter: %s: %w", opts.Addr, err)
+		return nil, fmt.Errorf("redis adapter: %s: %w", redact.URL(cfg.URL), redact.Err(err, cfg.URL))
 	}
 	sub, err := redisstream.NewSubscriber(redisstream.SubscriberConfig{
 		Client:                        subClient,

@@ -14,6 +14,7 @@ import (
 	"github.com/aws/smithy-go/transport/http/protocol/awsquery"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -100,9 +101,8 @@ func (c BrokerConfig) SubscriberConfig() SubscriberConfig {
 // sqs:CreateQueue unless every queue exists beforehand. An invalid configuration gives an
 // error wrapping both ErrInvalidConfig and inbox.ErrInvalidConfig, as every adapter's does.
 func New(cfg BrokerConfig, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
-	if logger == nil {
-		logger = watermill.NopLogger{}
-	}
+	// Payload fields redacted, control characters in values quoted (internal/redact).
+	logger = redact.Logger(logger)
 	sub, err := NewSubscriber(cfg.SubscriberConfig(), logger)
 	if err != nil {
 		return nil, fmt.Errorf("%w: sqs adapter: subscriber: %w", inbox.ErrInvalidConfig, err)

@@ -6,6 +6,7 @@
 //	watermill-inbox migrate --outbox         # also the outbox tables (topic inbox_outbox)
 //	watermill-inbox deferred migrate         # the store-then-process table (see deferred.go)
 //	watermill-inbox deferred replay --consumer billing --status dead
+//	watermill-inbox grants --role app --outbox   # the application role's GRANT statements
 //	watermill-inbox --version
 //
 //	watermill-inbox purge --window 14d [--dry-run] [--topic inbox_outbox]
@@ -87,6 +88,7 @@ func rootCmd() *cobra.Command {
 	root.AddCommand(purgeCmd())
 	root.AddCommand(statsCmd())
 	root.AddCommand(deadCmd())
+	root.AddCommand(grantsCmd())
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	return root
 }

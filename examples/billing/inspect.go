@@ -34,6 +34,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqsfake"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
@@ -240,7 +241,7 @@ func (a *brokerAdmin) connect(schema string) error {
 		a.cfg.URL = envOr("INBOX_REDIS_URL", "redis://127.0.0.1:6379")
 		opts, err := goredis.ParseURL(a.cfg.URL)
 		if err != nil {
-			return fmt.Errorf("parse INBOX_REDIS_URL: %w", err)
+			return fmt.Errorf("parse INBOX_REDIS_URL %s: %w", redactURL(a.cfg.URL), redact.Err(err, a.cfg.URL))
 		}
 		rc := goredis.NewClient(opts)
 		a.closers = append(a.closers, func() { _ = rc.Close() })

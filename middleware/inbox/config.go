@@ -64,7 +64,7 @@ type Config struct {
 	// Store opens transactions and claims messages (required), e.g. pgstore.New(pool, ...).
 	Store Store
 	// ConsumerName identifies the handler (required, at most MaxConsumerNameBytes bytes of
-	// UTF-8). It is half of the inbox key, so several handlers consuming the same message each
+	// UTF-8, no NUL and no control characters: see docs/security.md). It is half of the inbox key, so several handlers consuming the same message each
 	// process it once and never block each other. Keep it stable across deploys: renaming a
 	// consumer makes every retained message look new to it.
 	ConsumerName string

@@ -3,6 +3,7 @@ package inbox
 import (
 	"fmt"
 	"strings"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -132,7 +133,8 @@ func ValidateKey(source, key string) error {
 	return &InvalidKeyError{Source: source, Reason: reason, Length: len(key)}
 }
 
-// validateConsumerName applies the key rules to a consumer name, with its own length limit.
+// validateConsumerName applies the key rules to a consumer name, with its own length limit,
+// and refuses control characters (a newline, an escape sequence), which a key may hold.
 func validateConsumerName(name string) error {
 	switch {
 	case strings.TrimSpace(name) == "":
@@ -141,6 +143,10 @@ func validateConsumerName(name string) error {
 		return fmt.Errorf("%w: ConsumerName is %d bytes, limit %d", ErrInvalidConfig, len(name), MaxConsumerNameBytes)
 	case !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0:
 		return fmt.Errorf("%w: ConsumerName must be valid UTF-8 without NUL", ErrInvalidConfig)
+	case strings.IndexFunc(name, unicode.IsControl) >= 0:
+		// Configuration, not message material: refused rather than escaped, so that it is
+		// printed as it is everywhere (logs, metrics labels, the CLI).
+		return fmt.Errorf("%w: ConsumerName %q contains a control character", ErrInvalidConfig, name)
 	}
 	return nil
 }

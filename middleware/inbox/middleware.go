@@ -17,6 +17,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 )
 
 // Stats are counters since the Inbox was created. Each field counts deliveries (one call of
@@ -76,7 +78,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	i := &Inbox{cfg: cfg, logger: logger.With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
+	// Every field and error text with a control character is quoted (internal/redact.Escape):
+	// a key, or an error that quotes one, cannot forge a log line.
+	i := &Inbox{cfg: cfg, logger: redact.Escape(logger).With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
 	if cfg.DeadLetterPublisher != nil {
 		i.attempts = cfg.Store.(AttemptStore) // checked by Validate
 	}
@@ -348,7 +352,9 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	d.res.Claim = time.Since(start)
 	endClaim(err)
 	if err != nil {
-		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: claim: %w", err)}
+		err = fmt.Errorf("inbox: claim: %w", err)
+		i.configurationFault(err) // a missing privilege or table is logged at ERROR
+		return &failure{kind: failInfrastructure, err: err}
 	}
 	switch {
 	case rec.DeadLettered:

@@ -109,7 +109,8 @@ func (c Config) schemaQueries() ([]wmsql.Query, error) {
 	return append(qs, oqs...), nil
 }
 
-// InitializeSchema creates the outbox's two tables when they do not exist: the messages table
+// InitializeSchema creates the outbox's two tables when they do not exist (it checks first,
+// reading only, and does nothing more when both exist, see CheckSchema): the messages table
 // (watermill-sql's: "offset" BIGSERIAL, uuid VARCHAR(36) holding the envelope's own UUID,
 // created_at, payload JSON holding the envelope, metadata JSON, transaction_id xid8) and the
 // relay's offsets table. Call it before the first delivery that stores messages (the insert
@@ -126,6 +127,13 @@ func InitializeSchema(ctx context.Context, pool *pgxpool.Pool, cfg Config) error
 	}
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	// Read-only first: when both tables exist, no DDL right is needed (an application role
+	// that cannot create tables may call it at start-up).
+	if err := CheckSchema(ctx, pool, cfg); err == nil {
+		return nil
+	} else if !errors.Is(err, ErrSchemaMissing) {
 		return err
 	}
 	qs, err := cfg.schemaQueries()

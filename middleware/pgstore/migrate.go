@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"path"
@@ -118,7 +119,9 @@ func (s *Store) versionTableSQL() string {
 // at once apply each migration exactly once: the others wait, then find it recorded.
 const migrateLockKey = "watermill-inbox:migrate"
 
-// Migrate applies pending migrations in one transaction, under a transaction-level advisory
+// Migrate first checks, reading only, whether anything is pending (CheckSchema); when nothing
+// is, it verifies the inbox key and returns, having written nothing, so an application role
+// without CREATE may call it at start-up. Otherwise it applies pending migrations in one transaction, under a transaction-level advisory
 // lock (pg_advisory_xact_lock), so it is safe when several instances start at once. It
 // creates the schema when it does not exist (needing CREATE on the database only then), and
 // verifies that the inbox table has the configured layout (see verifyKey): an error
@@ -127,6 +130,16 @@ const migrateLockKey = "watermill-inbox:migrate"
 // current and next periods (PartitionManager keeps the rest: the lead and the window). It returns the versions it applied (none when the schema is current) or the first
 // error, after which nothing is applied.
 func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
+	// Read-only first: when nothing is pending, Migrate needs no DDL right, no lock and no
+	// write, so a least-privileged application role may call it at start-up.
+	if _, err := s.pending(ctx, s.pool); err == nil {
+		if err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.verifyKey(ctx, tx) }); err != nil {
+			return nil, err
+		}
+		return nil, nil
+	} else if !errors.Is(err, ErrSchemaNotCurrent) {
+		return nil, err
+	}
 	ms, err := s.Migrations()
 	if err != nil {
 		return nil, err

@@ -100,6 +100,15 @@ type Config struct {
 	// the rest, and New refuses a window shorter than MaxRedelivery + Margin with an
 	// *inbox.RetentionError (see inbox.Retention and docs/retention.md).
 	Retention inbox.Retention
+	// ClaimLockTimeout bounds how long a claim holds its pool connection while it waits on a
+	// lock of its key (the uncommitted claim of a delivery in flight, the key's attempt
+	// lock): past it the claim releases the connection and waits in process, without one,
+	// then tries again (see claimwait.go), until the key is free or the claim's context ends
+	// (the inbox's ClaimTimeout; ErrClaimInFlight). So a flood of copies of one message
+	// cannot hold every pool connection and starve other keys. Zero means
+	// DefaultClaimLockTimeout; negative waits on the server, holding the connection. With
+	// LockTimeout set, the claim waits on the server up to LockTimeout instead (55P03 past it).
+	ClaimLockTimeout time.Duration
 }
 
 // Store is the pgx v5 inbox store. It is safe for concurrent use.
@@ -138,6 +147,9 @@ var (
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pgstore: nil pool", inbox.ErrInvalidConfig)
+	}
+	if cfg.ClaimLockTimeout == 0 {
+		cfg.ClaimLockTimeout = DefaultClaimLockTimeout
 	}
 	if cfg.LockTimeout < 0 || cfg.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: pgstore: negative timeout", inbox.ErrInvalidConfig)
@@ -297,7 +309,7 @@ func (s *Store) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (i
 	return t, res, err
 }
 
-func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
+func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
 	var res inbox.CountedClaimResult
 	lvl, err := isoLevel(p.Isolation)
 	if err != nil {
@@ -310,9 +322,9 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 	if err := s.registerConsumer(ctx, p.Key.ConsumerName); err != nil {
 		return nil, res, err
 	}
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.acquire(ctx)
 	if err != nil {
-		return nil, res, fmt.Errorf("acquire a connection: %w", err)
+		return nil, res, err
 	}
 	t := &claimTx{s: s, conn: conn, key: p.Key, period: period, finish: p.FinishTimeout, counted: counted, iso: lvl}
 	if t.finish <= 0 {
@@ -325,6 +337,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		// count's own, committed inside the same pipeline.
 		b.BeginTx(pgx.TxOptions{})
 		s.queueTimeouts(b)
+		s.queueClaimLockTimeout(b, false)
 		// The key's session lock, and synchronous_commit off for this transaction only
 		// (set_config with is_local), in one statement.
 		b.Queue("select pg_advisory_lock(hashtextextended($1, 0)), set_config('synchronous_commit', 'off', true)", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
@@ -341,6 +354,7 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
+	s.queueClaimLockTimeout(b, true)
 	claimSQL, args := s.claimSQL, s.claimArgs(p.ClaimParams, period)
 	if counted && !p.CountFirst {
 		// A counted claim that did not count first still takes the key's lock, for its
@@ -372,8 +386,14 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 			return err
 		})
 	}
+	s.queueRestoreLockTimeout(b)
 	err = s.sendClaim(ctx, conn, b, t)
 	if err != nil {
+		if counted && p.CountFirst {
+			// A session lock whose wait timed out (55P03) or was cancelled just as it was
+			// granted stays held though the statement failed: release it in any case.
+			t.locked = true
+		}
 		_ = t.end(ctx, func(ctx context.Context) error {
 			_, _ = t.conn.Exec(ctx, "rollback")
 			if res.Counted {

@@ -1,0 +1,48 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// grantsCmd prints the GRANT statements of the application role (pgstore.GrantSQL, and
+// outbox.GrantSQL with --outbox). It never connects.
+func grantsCmd() *cobra.Command {
+	var schema, table, role, outboxTopic string
+	var withOutbox bool
+	cmd := &cobra.Command{
+		Use:   "grants --role ROLE",
+		Short: "Print the GRANT statements of an application role that only reads and writes",
+		Long: "Prints, without connecting, the exact GRANT statements an application role needs to run\n" +
+			"the inbox (and with --outbox the outbox and its relay) and nothing more: no CREATE, so it\n" +
+			"cannot create or alter tables. Run them as the schema's owner after `migrate`. The\n" +
+			"handler's own tables need their own grants. See docs/security.md.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			script, err := pgstore.GrantSQL(pgstore.Config{Schema: schema, Table: table}, role)
+			if err != nil {
+				return err
+			}
+			if _, err := fmt.Fprint(cmd.OutOrStdout(), script); err != nil || !withOutbox {
+				return err
+			}
+			ob, err := outbox.GrantSQL(outbox.Config{Schema: schema, Topic: outboxTopic}, role)
+			if err != nil {
+				return err
+			}
+			_, err = fmt.Fprint(cmd.OutOrStdout(), ob)
+			return err
+		},
+	}
+	cmd.Flags().StringVar(&role, "role", "", "the application role (required)")
+	cmd.Flags().StringVar(&schema, "schema", pgstore.DefaultSchema, "schema of the inbox table")
+	cmd.Flags().StringVar(&table, "table", pgstore.DefaultTable, "inbox table name")
+	cmd.Flags().BoolVar(&withOutbox, "outbox", false, "also the outbox tables (package middleware/outbox) in the same schema")
+	cmd.Flags().StringVar(&outboxTopic, "outbox-topic", "", "the outbox topic (default "+outbox.DefaultTopic+")")
+	_ = cmd.MarkFlagRequired("role")
+	return cmd
+}

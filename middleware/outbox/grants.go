@@ -1,0 +1,63 @@
+package outbox
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// SequenceName returns the quoted name PostgreSQL gives the sequence of the outbox table's
+// BIGSERIAL "offset" column, e.g. "watermill_inbox_outbox_offset_seq": PostgreSQL's
+// makeObjectName, which cuts the longer of the table and column names until
+// "<table>_offset_seq" fits in 63 bytes. (PostgreSQL adds a digit when that name is already
+// taken by another relation; pg_get_serial_sequence gives the real name then.)
+func (c Config) SequenceName() string {
+	c.setDefaults()
+	table, column, label := "watermill_"+c.Topic, "offset", "seq"
+	avail := 63 - len(label) - 2
+	t, col := len(table), len(column)
+	for t+col > avail {
+		if t > col {
+			t--
+		} else {
+			col--
+		}
+	}
+	return c.quote(table[:t] + "_" + column[:col] + "_" + label)
+}
+
+// GrantSQL returns the GRANT statements that let role write produced messages to the outbox
+// of cfg (Outbox.Store, inside the inbox transaction) and run the Relay, with nothing more,
+// one statement a line, for the schema's owner to run after InitializeSchema:
+//
+//   - USAGE on cfg.Schema, when set;
+//   - SELECT, INSERT on the messages table (the INSERT of Outbox.Store; the relay's polls);
+//   - USAGE on the messages table's sequence (SequenceName): the BIGSERIAL "offset" column
+//     calls nextval, and without it every write fails with SQLSTATE 42501 ("permission
+//     denied for sequence");
+//   - SELECT, INSERT, UPDATE on the offsets table (the relay's consumer-group row: INSERT ...
+//     ON CONFLICT, SELECT ... FOR UPDATE, the ack's upsert).
+//
+// An invalid topic, schema or role gives an error wrapping inbox.ErrInvalidConfig.
+func GrantSQL(cfg Config, role string) (string, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return "", err
+	}
+	if err := pgstore.ValidateRole(role); err != nil {
+		return "", err
+	}
+	r := pgx.Identifier{role}.Sanitize()
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- the outbox (topic %s): application role %s\n", cfg.Topic, r)
+	if cfg.Schema != "" {
+		fmt.Fprintf(&b, "GRANT USAGE ON SCHEMA %s TO %s;\n", pgx.Identifier{cfg.Schema}.Sanitize(), r)
+	}
+	fmt.Fprintf(&b, "GRANT SELECT, INSERT ON %s TO %s;\n", cfg.MessagesTable(), r)
+	fmt.Fprintf(&b, "GRANT USAGE ON SEQUENCE %s TO %s;\n", cfg.SequenceName(), r)
+	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE ON %s TO %s;\n", cfg.OffsetsTable(), r)
+	return b.String(), nil
+}
