@@ -77,7 +77,10 @@ func (s *Store) queueClaimLockTimeout(b *pgx.Batch, restore bool) {
 		return
 	}
 	if restore {
-		b.Queue("select set_config('watermill_inbox.lock_timeout', current_setting('lock_timeout'), true)")
+		// One statement: the subquery (not pulled up: set_config is volatile) saves the
+		// transaction's value before the outer set_config replaces it.
+		b.Queue("select set_config('lock_timeout', $1, true) from (select set_config('watermill_inbox.lock_timeout', current_setting('lock_timeout'), true)) saved", millis(d))
+		return
 	}
 	b.Queue("select set_config('lock_timeout', $1, true)", millis(d))
 }

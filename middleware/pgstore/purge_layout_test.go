@@ -3,7 +3,9 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -112,5 +114,50 @@ func TestBatchedInboxRefusedOnOtherLayouts(t *testing.T) {
 	s, _ := layoutStore(t, 2, pgstore.Config{})
 	if _, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", Batch: inbox.BatchConfig{Size: 8}}, nil); err != nil {
 		t.Errorf("the default layout: %v", err)
+	}
+}
+
+// TestHandlerRunsUnderItsOwnLockTimeout: the claim's short lock_timeout (ClaimLockTimeout) is
+// put back before the handler runs, so business statements wait on locks as configured:
+// the server's setting without LockTimeout, LockTimeout with it; on every claim path.
+func TestHandlerRunsUnderItsOwnLockTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		lock time.Duration
+		want string
+	}{{"server's setting", 0, "0"}, {"LockTimeout", 1500 * time.Millisecond, "1500ms"}} {
+		for _, counted := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/counted=%v", tc.name, counted), func(t *testing.T) {
+				s, sch := layoutStore(t, 2, pgstore.Config{LockTimeout: tc.lock})
+				ctx := context.Background()
+				var tx inbox.Tx
+				var err error
+				key := inbox.Key{MessageID: "m-1", ConsumerName: "billing"}
+				if counted {
+					var ct inbox.CountedTx
+					ct, _, err = s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: key}, CountFirst: true})
+					tx = ct
+				} else {
+					tx, _, err = s.Claim(ctx, inbox.ClaimParams{Key: key})
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				ptx, _ := pgstore.PgxTx(tx)
+				var got string
+				if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&got); err != nil {
+					t.Fatal(err)
+				}
+				if got != tc.want {
+					t.Errorf("the handler's lock_timeout is %q, want %q", got, tc.want)
+				}
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				if n := count(t, sch, "SELECT count(*) FROM "+s.Table()); n != 1 {
+					t.Errorf("inbox rows %d, want 1", n)
+				}
+			})
+		}
 	}
 }
