@@ -25,7 +25,7 @@ import (
 
 var (
 	poolFlag       = flag.Int("pool", 10, "BenchmarkPeers, BenchmarkStoreThenProcess: the pgx pool's size (max connections) shared by every mode")
-	peerModesFlag  = flag.String("peer-modes", "dedup,bare,inbox", "BenchmarkPeers: comma-separated modes to run (dedup, bare, inbox)")
+	peerModesFlag  = flag.String("peer-modes", "dedup,bare,inbox,batched", "BenchmarkPeers: comma-separated modes to run (dedup, bare, inbox, batched)")
 	deliveriesFlag = flag.String("deliveries", "1,8,32,128", "BenchmarkPeers, BenchmarkStoreThenProcess: comma-separated concurrent deliveries")
 )
 
@@ -45,6 +45,7 @@ func txOf(ctx context.Context) pgx.Tx {
 type peerEnv struct {
 	sch   *testenv.Schema
 	store *pgstore.Store
+	slots int // concurrent deliveries of this run
 }
 
 // bare wraps h in BEGIN ... COMMIT on the pool: the transaction a handler needs anyway.
@@ -98,16 +99,18 @@ func peerModes() []peerMode {
 			}
 			return ib.Middleware, nil
 		}},
-		// BATCHED INBOX (issue 12 item 1): add the group-commit mode here, e.g.
-		//	{name: "batched", setup: func(e *peerEnv) (message.HandlerMiddleware, error) {
-		//		ib, err := inbox.New(inbox.Config{Store: e.store, ConsumerName: "batched", <batch settings>}, nil)
-		//		if err != nil {
-		//			return nil, err
-		//		}
-		//		return ib.Middleware, nil
-		//	}},
-		// and name it in -peer-modes' default. The chart (internal/cmd/benchchart) draws a line
-		// for every <mode>-msg/s metric without a change.
+		// The batched inbox (group commit), sized as docs/design.md advises: a batch of about
+		// half the concurrent deliveries (at most 16), so one batch gathers while another
+		// commits; with one delivery it is the immediate inbox (a batch of one is off).
+		{name: "batched", setup: func(e *peerEnv) (message.HandlerMiddleware, error) {
+			ib, err := inbox.New(inbox.Config{Store: e.store, ConsumerName: "batched",
+				Batch: inbox.BatchConfig{Size: min(max(e.slots/2, 1), 16)}}, nil)
+			if err != nil {
+				return nil, err
+			}
+			return ib.Middleware, nil
+		}},
+		// The chart (internal/cmd/benchchart) draws a line for every <mode>-msg/s metric.
 	}
 	want := map[string]bool{}
 	for _, m := range strings.Split(*peerModesFlag, ",") {
@@ -160,7 +163,7 @@ func BenchmarkPeers(b *testing.B) {
 func benchPeers(b *testing.B, slots int) {
 	const accounts = 10000
 	sch := testenv.NewSchema(b, int32(*poolFlag))
-	e := &peerEnv{sch: sch, store: sch.Store(b)}
+	e := &peerEnv{sch: sch, store: sch.Store(b), slots: slots}
 	sch.CreateAccounts(b, accounts)
 	modes := peerModes()
 
