@@ -202,7 +202,7 @@ func consume(ctx context.Context, o options) error {
 			return err
 		}
 	} else {
-			r.AddHandler(billing, o.topic, o.receiptsTopic, handler.handle)
+		r.AddHandler(billing, o.topic, o.receiptsTopic, handler.handle)
 	}
 	r.AddConsumer(receipts, o.receiptsTopic, receiptsHandler(qualified(o.schema, "receipts")))
 
