@@ -137,7 +137,8 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	if err := d.broker.createTopics(); err != nil {
 		return err
 	}
-	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison)
+	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison,
+		d.o.mode == router.ModeStoreThenProcess)
 	if err != nil {
 		return err
 	}

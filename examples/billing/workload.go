@@ -46,7 +46,10 @@ type workload struct {
 	poisonIDs     []string
 }
 
-func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poison int) (*workload, error) {
+// newWorkload builds the payments. With sequenced (the store-then-process mode) each payment
+// carries its account as the aggregate key and its sequence number in metadata; without, the
+// messages are as before (a dead letter on SQS has room for no more message attributes).
+func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poison int, sequenced bool) (*workload, error) {
 	w := &workload{expected: make(map[int64]int64, accounts), frozenAccount: int64(accounts) + 1}
 	for a := 1; a <= accounts; a++ {
 		w.expected[int64(a)] = 0
@@ -57,6 +60,12 @@ func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poiso
 		msg *message.Message
 	}
 	seqOf := make(map[int64]int64, accounts+1) // last sequence number given per account
+	newPaymentMessage := func(id string, payload []byte, account, seq int64) *message.Message {
+		if !sequenced {
+			return newPaymentMessage(id, payload, 0, 0)
+		}
+		return newPaymentMessage(id, payload, account, seq)
+	}
 	sends := make([]sendAt, 0, messages+int(float64(messages)*dupRatio)+1)
 	payloads := make([][]byte, messages)
 	for i := range messages {
@@ -98,10 +107,14 @@ func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poiso
 	return w, nil
 }
 
+// newPaymentMessage returns a payment message; with seq > 0 it carries account as the aggregate
+// key and seq as its sequence number.
 func newPaymentMessage(id string, payload []byte, account, seq int64) *message.Message {
 	msg := message.NewMessage(id, payload)
 	msg.Metadata.Set(inbox.DefaultMessageTypeKey, messageType)
-	msg.Metadata.Set(aggregateKeyField, strconv.FormatInt(account, 10))
-	msg.Metadata.Set(sequenceField, strconv.FormatInt(seq, 10))
+	if seq > 0 {
+		msg.Metadata.Set(aggregateKeyField, strconv.FormatInt(account, 10))
+		msg.Metadata.Set(sequenceField, strconv.FormatInt(seq, 10))
+	}
 	return msg
 }
