@@ -1,13 +1,15 @@
 # watermill-inbox: the two commands of the README are `make demo` and `make test`.
 GO     ?= go
 BROKER ?= postgres
+MODE   ?= immediate
 
 .PHONY: demo test test-short bench services vet bench-relay soak
 
 ## demo: the main job: real messages through a real broker, real duplicates, real crashes,
-## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process).
+## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process;
+## MODE=immediate|store-then-process, the inbox mode).
 demo:
-	$(GO) run ./examples/billing -broker=$(BROKER)
+	$(GO) run ./examples/billing -broker=$(BROKER) -mode=$(MODE)
 
 ## test: vet, then every test against the real PostgreSQL, RabbitMQ, NATS and Redis, with the race
 ## detector, including the two that restart the machine's PostgreSQL cluster and RabbitMQ node

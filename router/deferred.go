@@ -71,6 +71,12 @@ func (r *Router) AddModeConsumer(icfg inbox.Config, dcfg deferred.Config, topic 
 		handler, err := r.AddConsumer(ib, topic, h)
 		return ib, handler, err
 	}
+	return r.addDeferred(icfg, dcfg, topic, func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) }, logger)
+}
+
+// addDeferred builds the deferred inbox of AddModeConsumer and AddModeHandler, subscribes its
+// receipt to topic and registers its Workers running h.
+func (r *Router) addDeferred(icfg inbox.Config, dcfg deferred.Config, topic string, h message.HandlerFunc, logger watermill.LoggerAdapter) (any, *message.Handler, error) {
 	if dcfg.ConsumerName == "" {
 		dcfg.ConsumerName = icfg.ConsumerName
 	}
@@ -105,7 +111,7 @@ func (r *Router) AddModeConsumer(icfg inbox.Config, dcfg deferred.Config, topic 
 	}
 	handler := r.AddConsumerHandler(name, topic, sub, ib.Receive)
 	r.mu.Lock()
-	r.ws = append(r.ws, ib.NewConsumerWorkers(h))
+	r.ws = append(r.ws, ib.NewWorkers(h))
 	r.mu.Unlock()
 	return ib, handler, nil
 }
@@ -132,4 +138,25 @@ func (r *Router) closeWorkers() {
 	for _, w := range ws {
 		_ = w.Close()
 	}
+}
+
+// AddModeHandler is AddModeConsumer for a handler that returns messages for publishTopic: in
+// the immediate mode NewInbox(icfg) and AddHandler; in the store-then-process mode the
+// deferred inbox built as AddModeConsumer builds it, with dcfg.PublishTopic set to publishTopic
+// (when unset), whose Workers write h's messages through the Outbox (icfg.Outbox when
+// dcfg.Outbox is unset) in each row's transaction. It returns the *inbox.Inbox or the
+// *deferred.Inbox. Errors: those of NewInbox, deferred.New and AddHandler.
+func (r *Router) AddModeHandler(icfg inbox.Config, dcfg deferred.Config, topic, publishTopic string, h message.HandlerFunc, logger watermill.LoggerAdapter) (any, *message.Handler, error) {
+	if r.Mode() == ModeImmediate {
+		ib, err := r.NewInbox(icfg, logger)
+		if err != nil {
+			return nil, nil, err
+		}
+		handler, err := r.AddHandler(ib, topic, publishTopic, h)
+		return ib, handler, err
+	}
+	if dcfg.PublishTopic == "" {
+		dcfg.PublishTopic = publishTopic
+	}
+	return r.addDeferred(icfg, dcfg, topic, h, logger)
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
@@ -101,5 +102,95 @@ func TestModeConfigErrors(t *testing.T) {
 	cfg, err := router.ConfigFromEnv()
 	if err != nil || cfg.Mode != router.ModeStoreThenProcess {
 		t.Fatalf("INBOX_MODE=Store-Then-Process: %+v %v", cfg, err)
+	}
+}
+
+// TestModeHandlerFromConfig: AddModeHandler runs one handler that returns a message, unchanged,
+// in both modes on NATS JetStream: each of two unique deliveries (of three, one a duplicate)
+// writes a ledger row and stores its returned message through the outbox in the same
+// transaction: two ledger rows and two outbox rows (forwarder envelopes; the handler is the
+// only writer of the outbox).
+func TestModeHandlerFromConfig(t *testing.T) {
+	url := testenv.RequireNATS(t)
+	for _, mode := range []string{router.ModeImmediate, router.ModeStoreThenProcess} {
+		t.Run("mode="+mode, func(t *testing.T) {
+			sch := testenv.NewSchema(t, 8)
+			ctx := context.Background()
+			sch.Exec(t, "CREATE TABLE ledger (message_id text PRIMARY KEY)")
+			ocfg := outbox.Config{Schema: sch.Name}
+			if err := outbox.InitializeSchema(ctx, sch.Pool, ocfg); err != nil {
+				t.Fatal(err)
+			}
+			ob, err := outbox.New(ocfg, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := router.Config{Broker: "nats", URL: url, Mode: mode}
+			r, err := router.New(cfg, sch.Pool, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			topic := "modeh_" + sch.Name
+			t.Cleanup(func() { deleteTopic(t, cfg, topic) })
+			dcfg := deferred.Config{Schema: sch.Name, PollInterval: 100 * time.Millisecond}
+			if mode == router.ModeStoreThenProcess {
+				d, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "ledger"}, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := d.Migrate(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ib, _, err := r.AddModeHandler(inbox.Config{Store: sch.Store(t), ConsumerName: "ledger", Outbox: ob}, dcfg, topic, "receipts",
+				func(msg *message.Message) ([]*message.Message, error) {
+					tx, _ := pgstore.TxFromContext(msg.Context()) // the handler, identical in both modes
+					if _, err := tx.Exec(msg.Context(), "INSERT INTO ledger VALUES ($1)", msg.UUID); err != nil {
+						return nil, err
+					}
+					return []*message.Message{message.NewMessage("receipt-"+msg.UUID, []byte(`{}`))}, nil
+				}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch ib.(type) {
+			case *inbox.Inbox:
+				if mode != router.ModeImmediate {
+					t.Fatalf("mode %q: AddModeHandler returned an immediate inbox", mode)
+				}
+			case *deferred.Inbox:
+				if mode != router.ModeStoreThenProcess {
+					t.Fatalf("mode %q: AddModeHandler returned a deferred inbox", mode)
+				}
+			default:
+				t.Fatalf("AddModeHandler returned %T", ib)
+			}
+			go func() { _ = r.Run(ctx) }()
+			<-r.Running()
+			for _, id := range []string{"h-1", "h-2", "h-1"} {
+				if err := r.Broker.Publisher.Publish(topic, message.NewMessage(id, []byte(`{}`))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			outboxRows := func() (n int) {
+				_ = sch.Pool.QueryRow(ctx, `SELECT count(*) FROM watermill_inbox_outbox`).Scan(&n)
+				return n
+			}
+			var n int
+			deadline := time.Now().Add(20 * time.Second)
+			for time.Now().Before(deadline) {
+				_ = sch.Pool.QueryRow(ctx, "SELECT count(*) FROM ledger").Scan(&n)
+				if n == 2 && outboxRows() == 2 {
+					break
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			time.Sleep(200 * time.Millisecond)
+			_ = sch.Pool.QueryRow(ctx, "SELECT count(*) FROM ledger").Scan(&n)
+			if o := outboxRows(); n != 2 || o != 2 {
+				t.Fatalf("ledger rows %d, outbox rows %d; want 2 and 2", n, o)
+			}
+		})
 	}
 }

@@ -57,6 +57,9 @@ type crashPoint struct {
 	afterCommits int
 	// onRejection: in the handler, when a poison payment is rejected for this many times.
 	onRejection int
+	// afterApplied (store-then-process mode): in a worker's handler, after this many payments
+	// applied, with the row's transaction open.
+	afterApplied int
 }
 
 // startConsumer re-executes this binary with -role=consumer.
@@ -81,6 +84,8 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		fmt.Sprintf("-amqp-consumers=%d", d.o.amqpConsumers),
 		"-app-name="+d.consumerAppName(c.n),
 		"-metrics-addr="+d.o.metricsAddr,
+		"-mode="+d.o.mode,
+		fmt.Sprintf("-crash-after-applied=%d", crash.afterApplied),
 	)
 	// The consumer builds its broker from the environment (router.ConfigFromEnv).
 	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL())

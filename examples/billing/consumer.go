@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -132,6 +133,7 @@ func consume(ctx context.Context, o options) error {
 		return err
 	}
 	cfg = withDemoSettings(cfg, o.amqpConsumers)
+	cfg.Mode = o.mode // -mode: the inbox mode of the billing consumer (router.AddModeHandler)
 
 	// Connections, per concurrent delivery: the billing inbox transaction, the rejection log's
 	// autocommit write and the receipts inbox transaction. Besides: the watermill-sql
@@ -187,13 +189,21 @@ func consume(ctx context.Context, o options) error {
 
 	// The receipts the billing handler returns are for the receipts topic. The inbox hands them
 	// to the outbox, so the router never publishes them itself.
-	r.AddHandler(billing, o.topic, o.receiptsTopic, billingHandler{
+	handler := billingHandler{
 		pool:       pool,
 		accounts:   qualified(o.schema, "accounts"),
 		rejections: qualified(o.schema, "rejections"),
 		run:        o.run,
 		onRejected: crash.onRejected,
-	}.handle)
+	}
+	if o.mode == router.ModeStoreThenProcess {
+		// The same handler, run by the store-then-process workers (deferred.go).
+		if crash.ibs.deferred, err = addDeferredBilling(r, o, store, ob, handler, crash, logger); err != nil {
+			return err
+		}
+	} else {
+		r.AddHandler(billing, o.topic, o.receiptsTopic, handler.handle)
+	}
 	r.AddConsumer(receipts, o.receiptsTopic, receiptsHandler(qualified(o.schema, "receipts")))
 
 	// The relay reads the outbox with a watermill-sql subscriber and publishes each receipt to
@@ -283,6 +293,12 @@ type billingHandler struct {
 	// onRejected, when set, is called after a poison payment's rejection was logged, with the
 	// number of times it has been rejected, in every process (the demo's crash point).
 	onRejected func(msg *message.Message, run int64)
+	// applied, when set (store-then-process mode), is the table where each applied payment's
+	// account and sequence number are recorded, in the handler's transaction, for the
+	// ordering check; onApplied is then called after that, the transaction still open (the
+	// demo's worker crash point).
+	applied   string
+	onApplied func(msg *message.Message)
 }
 
 func (h billingHandler) handle(msg *message.Message) ([]*message.Message, error) {
@@ -301,6 +317,19 @@ func (h billingHandler) handle(msg *message.Message) ([]*message.Message, error)
 	}
 	if tag.RowsAffected() != 1 {
 		return nil, h.reject(msg, tx, p)
+	}
+	if h.applied != "" {
+		seq, err := strconv.ParseInt(msg.Metadata.Get(sequenceField), 10, 64)
+		if err != nil {
+			return nil, inbox.Permanent(fmt.Errorf("payment sequence: %w", err))
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO "+h.applied+" (account_id, seq, message_id) VALUES ($1, $2, $3)",
+			p.AccountID, seq, msg.UUID); err != nil {
+			return nil, fmt.Errorf("record the payment's sequence: %w", err)
+		}
+		if h.onApplied != nil {
+			h.onApplied(msg)
+		}
 	}
 	markHandlerRan(msg)
 	body, err := json.Marshal(receipt{PaymentID: msg.UUID, AccountID: p.AccountID, AmountCents: p.AmountCents})

@@ -17,6 +17,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -51,6 +52,10 @@ type consumerReport struct {
 	// (metrics.go); null when nothing was observed.
 	DedupHitRate *float64 `json:"dedup_hit_rate,omitempty"`
 	ClaimP99     *float64 `json:"claim_p99_seconds,omitempty"`
+	// Store-then-process mode: the deferred inbox's Counters, and the payment in whose
+	// handler a worker SIGKILLed the process (-crash-after-applied).
+	Deferred *deferred.Counters `json:"deferred,omitempty"`
+	Applied  string             `json:"applied,omitempty"`
 }
 
 // demoRegistry is the consumer's metrics, for report.
@@ -58,7 +63,11 @@ var demoRegistry *demoMetrics
 
 // inboxes are the consumer's two inboxes: the billing handler's and the downstream receipts
 // handler's.
-type inboxes struct{ billing, receipts *inbox.Inbox }
+type inboxes struct {
+	billing, receipts *inbox.Inbox
+	// deferred is the billing consumer's store-then-process inbox (nil in the immediate mode).
+	deferred *deferred.Inbox
+}
 
 // crashPoints are the consumer's own crashes: after its crashAfter-th processed payment,
 // between the inbox's commit and the router's ack; and in the handler of a poison payment, on
@@ -68,10 +77,13 @@ type crashPoints struct {
 	ibs                          inboxes
 	gate                         crashGate
 	processed                    atomic.Int64
+	// crashAfterApplied, applied: the worker crash of the store-then-process mode.
+	crashAfterApplied int
+	applied           atomic.Int64
 }
 
 func newCrashPoints(o options, ibs inboxes) *crashPoints {
-	return &crashPoints{crashAfter: o.crashAfter, crashOnRejection: o.crashOnRejection, ibs: ibs}
+	return &crashPoints{crashAfter: o.crashAfter, crashOnRejection: o.crashOnRejection, ibs: ibs, crashAfterApplied: o.crashAfterApplied}
 }
 
 // report prints a line for the orchestrator with both inboxes' Stats.
@@ -81,6 +93,10 @@ func (c *crashPoints) report(kind string, r consumerReport) {
 	r.Processed, r.Duplicates, r.Failed, r.TxRetries = b.Processed, b.Duplicates, b.Failed, b.TxRetries
 	r.DeadLettered, r.DeadLetteredSkips = b.DeadLettered, b.DeadLetteredSkips
 	r.ReceiptsProcessed, r.ReceiptsDuplicates = r2.Processed, r2.Duplicates
+	if c.ibs.deferred != nil {
+		counters := c.ibs.deferred.Counters()
+		r.Deferred = &counters
+	}
 	if rate, p99 := demoRegistry.summary(); !math.IsNaN(rate) && !math.IsNaN(p99) {
 		r.DedupHitRate, r.ClaimP99 = &rate, &p99
 	}
@@ -100,6 +116,17 @@ func (c *crashPoints) middleware() []message.HandlerMiddleware {
 func (c *crashPoints) onRejected(msg *message.Message, run int64) {
 	if c.crashOnRejection > 0 && run == int64(c.crashOnRejection) {
 		c.gate.crashAlone(msg, func() { c.report(lineCrash, consumerReport{Rejected: msg.UUID, RejectedRun: run}) })
+	}
+}
+
+// onApplied is the billing handler's hook after it applied a payment, in the store-then-process
+// mode's worker, with the row's transaction open: on the crashAfterApplied-th, the process dies
+// there, its worker in the middle of a claimed batch.
+func (c *crashPoints) onApplied(msg *message.Message) {
+	if c.crashAfterApplied > 0 && c.applied.Add(1) == int64(c.crashAfterApplied) {
+		c.report(lineCrash, consumerReport{Applied: msg.UUID})
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
 	}
 }
 
@@ -124,6 +151,12 @@ func (c *crashPoints) afterCommit(h message.HandlerFunc) message.HandlerFunc {
 		ran := new(atomic.Bool)
 		msg.SetContext(context.WithValue(msg.Context(), handlerRanKey{}, ran))
 		out, err := h(msg)
+		if c.ibs.deferred != nil && err == nil && c.crashAfter > 0 && message.HandlerNameFromCtx(msg.Context()) == consumerName &&
+			c.ibs.deferred.Counters().Received >= uint64(c.crashAfter) {
+			// Store-then-process: the receipt committed (this delivery's row, or a duplicate
+			// of a stored one) and the router has not acked it.
+			c.gate.crashAlone(msg, func() { c.report(lineCrash, consumerReport{}) })
+		}
 		if err != nil || !ran.Load() {
 			return out, err
 		}

@@ -5,7 +5,7 @@
 // once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
 // and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run ./examples/billing [-broker=postgres|amqp|kafka|sqs|nats|redis] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
+//	go run ./examples/billing [-broker=postgres|amqp|kafka|sqs|nats|redis] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
 // inbox and the outbox into it, creates the accounts (one of them frozen), publishes the
@@ -33,6 +33,9 @@
 // the dead-letter topic once after exactly -max-attempts handler runs, and that there is one
 // receipt per unique payment; it prints a summary, and exits with status 0 and a last line
 // "OK", or status 1 and "FAIL: <reason>".
+//
+// With -mode=store-then-process the consumer stores each delivery and acks it, and workers run
+// the same billing handler later; deferred.go describes that run and its checks.
 //
 // Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
 // and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/), for
@@ -79,6 +82,8 @@ type options struct {
 	verbose       bool
 	metricsAddr   string
 	soak          bool
+	// mode is router.ModeImmediate (default) or router.ModeStoreThenProcess (deferred.go).
+	mode string
 
 	// Consumer role only, set by the orchestrator.
 	run              int
@@ -89,6 +94,9 @@ type options struct {
 	crashAfter       int
 	crashOnRejection int
 	appName          string
+	// crashAfterApplied: store-then-process mode, SIGKILL in the worker's handler after it
+	// applied this many payments (0: never).
+	crashAfterApplied int
 }
 
 func parseFlags(args []string) (options, error) {
@@ -107,6 +115,8 @@ func parseFlags(args []string) (options, error) {
 	fs.BoolVar(&o.verbose, "v", false, "copy the consumers' logs (stderr) to stderr as they run")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve the consumer's Prometheus metrics on this address at /metrics while it runs, e.g. 127.0.0.1:9464 (each consumer in turn)")
 	fs.BoolVar(&o.soak, "soak", false, "soak instead of the scripted crashes: SIGKILL the consumer every 5 to 20 s (random) until every payment is processed, sample the relay's backlog, then verify (raise -messages and -timeout, e.g. -messages=100000 -timeout=2h)")
+	fs.StringVar(&o.mode, "mode", router.ModeImmediate, "inbox mode: immediate (the handler runs in the delivery) or store-then-process (the delivery is stored, workers run the handler later; see deferred.go)")
+	fs.IntVar(&o.crashAfterApplied, "crash-after-applied", 0, "consumer role, store-then-process mode: SIGKILL this process inside a worker's handler after it applied this many payments, transaction open (0: never)")
 	fs.IntVar(&o.run, "run", 0, "consumer role: run number of this consumer, written to the rejection log")
 	fs.StringVar(&o.schema, "schema", "", "consumer role: PostgreSQL schema of this run")
 	fs.StringVar(&o.topic, "topic", "", "consumer role: topic to consume")
@@ -126,6 +136,10 @@ func parseFlags(args []string) (options, error) {
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
 	case !slices.Contains(router.Brokers, o.broker):
 		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(router.Brokers, ", "))
+	case !slices.Contains(router.Modes, o.mode):
+		return o, fmt.Errorf("-mode=%q: want one of %s", o.mode, strings.Join(router.Modes, ", "))
+	case o.soak && o.mode != router.ModeImmediate:
+		return o, errors.New("-soak runs the immediate mode only (the store-then-process demo has its own crashes)")
 	case o.messages < 20:
 		return o, errors.New("-messages must be at least 20")
 	case o.accounts < 1:

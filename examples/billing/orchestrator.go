@@ -25,6 +25,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
 const (
@@ -49,6 +50,8 @@ type demo struct {
 	store  *pgstore.Store
 	// accounts, rejections, receipts: the business tables, quoted, schema-qualified.
 	accounts, rejections, receipts string
+	// deferredTable is the store-then-process table, quoted (-mode=store-then-process only).
+	deferredTable string
 	// schemaCreated: the schema exists, drop it on success, keep it on failure.
 	schemaCreated bool
 	broker        *brokerAdmin
@@ -109,6 +112,9 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 		seed = uint64(time.Now().UnixNano())
 	}
 	fmt.Fprintf(d.out, "billing demo: broker=%s schema=%s topic=%s seed=%d\n", d.o.broker, d.schema, d.topics.payments, seed)
+	if d.o.mode != router.ModeImmediate {
+		fmt.Fprintf(d.out, "mode        %s: the receipt stores each delivery and acks it; workers run the billing handler later, each account's payments in sequence order\n", d.o.mode)
+	}
 
 	pool, err := openPool(ctx, d.schema, "billing-demo-"+d.runID+"-orchestrator", 4)
 	if err != nil {
@@ -123,10 +129,16 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	if err := d.setup(ctx); err != nil {
 		return err
 	}
+	if d.o.mode == router.ModeStoreThenProcess {
+		if err := d.setupDeferred(ctx); err != nil {
+			return err
+		}
+	}
 	if err := d.broker.createTopics(); err != nil {
 		return err
 	}
-	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison)
+	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison,
+		d.o.mode == router.ModeStoreThenProcess)
 	if err != nil {
 		return err
 	}
@@ -138,6 +150,9 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	}
 	fmt.Fprintf(d.out, "published   %d deliveries: %d unique payments over %d accounts + %d re-sent with the same UUID and payload\n",
 		len(w.deliveries), unique, d.o.accounts, w.duplicates)
+	if d.o.mode == router.ModeStoreThenProcess {
+		return d.runDeferred(ctx, start)
+	}
 
 	if d.o.soak {
 		return d.soak(ctx, start, mrand.New(mrand.NewPCG(seed^0x5eed, seed)))

@@ -6,10 +6,20 @@ import (
 	"encoding/json"
 	"math/rand/v2"
 	"sort"
+	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+)
+
+// Metadata of every payment, read by the store-then-process mode (deferred.go): the aggregate
+// key (the account) and the producer's sequence number of the payment within its account
+// (1, 2, ... in first-send order; a re-sent duplicate carries its original's).
+const (
+	aggregateKeyField = deferred.DefaultAggregateField
+	sequenceField     = "account_seq"
 )
 
 // workload is what the orchestrator publishes and what it expects afterwards.
@@ -18,6 +28,9 @@ type workload struct {
 	ids []string
 	// accountOf is the account of each unique payment, aligned with ids.
 	accountOf []int64
+	// seq is each unique payment's sequence number within its account (metadata
+	// sequenceField), aligned with ids.
+	seq []int64
 	// deliveries are the messages in publish order: every unique payment once, plus
 	// duplicates (same UUID, same payload) re-sent at random later positions.
 	deliveries []*message.Message
@@ -33,7 +46,10 @@ type workload struct {
 	poisonIDs     []string
 }
 
-func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poison int) (*workload, error) {
+// newWorkload builds the payments. With sequenced (the store-then-process mode) each payment
+// carries its account as the aggregate key and its sequence number in metadata; without, the
+// messages are as before (a dead letter on SQS has room for no more message attributes).
+func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poison int, sequenced bool) (*workload, error) {
 	w := &workload{expected: make(map[int64]int64, accounts), frozenAccount: int64(accounts) + 1}
 	for a := 1; a <= accounts; a++ {
 		w.expected[int64(a)] = 0
@@ -42,6 +58,13 @@ func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poiso
 	type sendAt struct {
 		pos float64
 		msg *message.Message
+	}
+	seqOf := make(map[int64]int64, accounts+1) // last sequence number given per account
+	newPaymentMessage := func(id string, payload []byte, account, seq int64) *message.Message {
+		if !sequenced {
+			return newPaymentMessage(id, payload, 0, 0)
+		}
+		return newPaymentMessage(id, payload, account, seq)
 	}
 	sends := make([]sendAt, 0, messages+int(float64(messages)*dupRatio)+1)
 	payloads := make([][]byte, messages)
@@ -56,14 +79,16 @@ func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poiso
 		w.accountOf = append(w.accountOf, p.AccountID)
 		payloads[i] = payload
 		w.expected[p.AccountID] += p.AmountCents
-		sends = append(sends, sendAt{pos: float64(i), msg: newPaymentMessage(id, payload)})
+		seqOf[p.AccountID]++
+		w.seq = append(w.seq, seqOf[p.AccountID])
+		sends = append(sends, sendAt{pos: float64(i), msg: newPaymentMessage(id, payload, p.AccountID, seqOf[p.AccountID])})
 	}
 	// Re-send a share of distinct payments with the same UUID and payload, each somewhere after
 	// its first send, as a producer that timed out waiting for the broker's confirmation would.
 	w.duplicates = int(float64(messages)*dupRatio + 0.5)
 	for _, i := range rng.Perm(messages)[:w.duplicates] {
 		pos := float64(i) + 0.5 + rng.Float64()*float64(messages-i)
-		sends = append(sends, sendAt{pos: pos, msg: newPaymentMessage(w.ids[i], payloads[i])})
+		sends = append(sends, sendAt{pos: pos, msg: newPaymentMessage(w.ids[i], payloads[i], w.accountOf[i], w.seq[i])})
 	}
 	sort.SliceStable(sends, func(a, b int) bool { return sends[a].pos < sends[b].pos })
 	for _, s := range sends {
@@ -76,13 +101,20 @@ func newWorkload(rng *rand.Rand, messages, accounts int, dupRatio float64, poiso
 		}
 		id := watermill.NewUUID()
 		w.poisonIDs = append(w.poisonIDs, id)
-		w.poison = append(w.poison, newPaymentMessage(id, payload))
+		seqOf[w.frozenAccount]++
+		w.poison = append(w.poison, newPaymentMessage(id, payload, w.frozenAccount, seqOf[w.frozenAccount]))
 	}
 	return w, nil
 }
 
-func newPaymentMessage(id string, payload []byte) *message.Message {
+// newPaymentMessage returns a payment message; with seq > 0 it carries account as the aggregate
+// key and seq as its sequence number.
+func newPaymentMessage(id string, payload []byte, account, seq int64) *message.Message {
 	msg := message.NewMessage(id, payload)
 	msg.Metadata.Set(inbox.DefaultMessageTypeKey, messageType)
+	if seq > 0 {
+		msg.Metadata.Set(aggregateKeyField, strconv.FormatInt(account, 10))
+		msg.Metadata.Set(sequenceField, strconv.FormatInt(seq, 10))
+	}
 	return msg
 }

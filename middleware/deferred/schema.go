@@ -85,7 +85,10 @@ SELECT ins.id FROM ins`
 	// row (the first unfinished row in the aggregate's order); a head that is pending, due, and
 	// whose aggregate has no row in processing is a candidate. Rows without an aggregate are
 	// candidates in arrival order. The candidates are locked FOR UPDATE SKIP LOCKED, rechecked
-	// as pending, and set processing.
+	// as pending, and set processing. The candidates are looked up as an array by primary key
+	// (= ANY (ARRAY(...))), not as an IN (subquery) semi join: on a table without statistics
+	// (new, or not yet analyzed) the planner estimated a few rows in all and joined the
+	// candidates against a sequential scan and sort of the whole table on every claim.
 	unfinished := "e.status <> 'done'"
 	if cfg.AfterDead == ContinueAggregate {
 		unfinished = "e.status IN ('pending', 'processing')"
@@ -132,7 +135,7 @@ cand AS (
    ORDER BY e.id LIMIT $2)),
 c AS (
   SELECT r.id FROM ` + t + ` r
-  WHERE r.id IN (SELECT id FROM cand) AND r.status = 'pending' AND r.next_attempt_at <= now()
+  WHERE r.id = ANY (ARRAY(SELECT id FROM cand)) AND r.status = 'pending' AND r.next_attempt_at <= now()
   ORDER BY r.id LIMIT $2
   FOR UPDATE OF r SKIP LOCKED)
 UPDATE ` + t + ` t SET status = 'processing', claimed_at = now(), claimed_by = $3, claim_token = $4
