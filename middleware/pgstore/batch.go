@@ -169,6 +169,12 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 		})
 	}
 	if err := s.sendClaim(ctx, conn, b, &t.claimTx); err != nil {
+		if p.Counted {
+			// The lock statement takes the keys one by one: when it fails part-way (55P03,
+			// 57014, 40P01) the session locks it took stay held through the rollback, so
+			// release them in any case.
+			t.locked = true
+		}
 		_ = t.end(ctx, func(ctx context.Context) error {
 			_, _ = t.conn.Exec(ctx, "rollback")
 			t.takeBack(ctx, false)
