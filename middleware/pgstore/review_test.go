@@ -57,3 +57,45 @@ func TestBatchClaimLockTimeoutReleasesTheLocksItTook(t *testing.T) {
 		t.Fatalf("attempt rows of m-a = %d (%v), want 0: the batch never claimed it", rows, err)
 	}
 }
+
+// TestCountedCommitClearsAndUnlocksInEveryLayout: a counted delivery that counted first, whose
+// key has an earlier failed attempt, commits: the clean-up statement that also releases the
+// key's session lock (its $3 the period when partitioned) deletes the attempt record and the
+// connection goes back to the pool holding no advisory lock, in every layout.
+func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
+	at := time.Now().UTC()
+	for name, cfg := range map[string]pgstore.Config{
+		"text":        {},
+		"compact":     {Layout: pgstore.LayoutCompact},
+		"partitioned": {Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+		"both":        {Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey, Interval: pgstore.PartitionHourly}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s, sch := layoutStore(t, 1, cfg)
+			ctx := context.Background()
+			p := inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}, PayloadHash: make([]byte, 32), ProducerTime: at}, CountFirst: true}
+			tx, res, err := s.ClaimCounted(ctx, p)
+			if err != nil || !res.Claimed {
+				t.Fatalf("first claim: %v %+v", err, res)
+			}
+			if _, err := tx.Fail(ctx, inbox.FailParams{Error: "boom"}); err != nil {
+				t.Fatal(err)
+			}
+			tx, res, err = s.ClaimCounted(ctx, p)
+			if err != nil || !res.Claimed || res.Record.Attempts != 2 {
+				t.Fatalf("second claim: %v %+v, want claimed with 2 attempts", err, res)
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var locks, records, rows int
+			if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()),"+
+				" (SELECT count(*) FROM "+s.AttemptsTable()+"), (SELECT count(*) FROM "+s.Table()+")").Scan(&locks, &records, &rows); err != nil {
+				t.Fatal(err)
+			}
+			if locks != 0 || records != 0 || rows != 1 {
+				t.Fatalf("after the commit: %d advisory locks, %d attempt records, %d processed rows; want 0, 0, 1", locks, records, rows)
+			}
+		})
+	}
+}
