@@ -133,9 +133,9 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 			countIDs = append(countIDs, c.Key.MessageID)
 		}
 	}
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.acquire(ctx)
 	if err != nil {
-		return nil, nil, fmt.Errorf("acquire a connection: %w", err)
+		return nil, nil, err
 	}
 	t := &batchTx{
 		claimTx: claimTx{s: s, conn: conn, finish: p.FinishTimeout, counted: p.Counted, iso: lvl},

@@ -164,3 +164,33 @@ func TestBatchClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
 		t.Fatalf("%d processed rows, %d attempt records; want 2, 0 (a wait is not an attempt)", rows, records)
 	}
 }
+
+// TestBatchClaimWaitingForAConnectionSaysSo: with every pool connection in use, a batch
+// claim whose context ends fails with ErrWaitingForConnection, as a single claim does, and
+// claims and counts nothing.
+func TestBatchClaimWaitingForAConnectionSaysSo(t *testing.T) {
+	sch := testenv.NewSchema(t, 1)
+	s := sch.Store(t)
+	conn, err := sch.Pool.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	claims := []inbox.CountedClaimParams{
+		{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: "m-a", ConsumerName: "c"}}, CountFirst: true},
+		{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: "m-b", ConsumerName: "c"}}, CountFirst: true},
+	}
+	_, _, err = s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: claims, Counted: true})
+	conn.Release()
+	if !errors.Is(err, pgstore.ErrWaitingForConnection) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("batch claim with the pool exhausted: %v, want ErrWaitingForConnection and the deadline", err)
+	}
+	var rows, records int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 0 || records != 0 {
+		t.Fatalf("%d inbox rows, %d attempt records; want none", rows, records)
+	}
+}
