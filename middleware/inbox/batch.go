@@ -159,6 +159,11 @@ func (i *Inbox) batchMiddleware(h message.HandlerFunc) message.HandlerFunc {
 		if d.keyErr != nil || d.braked {
 			return i.immediateDelivery(d, h)
 		}
+		if i.checkProducerTime(d) != nil {
+			// Too old or future-dated (TooOldGuard): the immediate path refuses it before
+			// any claim, as in the immediate mode.
+			return i.immediateDelivery(d, h)
+		}
 		m := &member{d: d, h: h, turn: make(chan turn), done: make(chan struct{})}
 		if !i.batcher.join(i, m) {
 			// Its key is in the gathering batch already (a copy delivered at the same

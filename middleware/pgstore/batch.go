@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -75,7 +77,33 @@ func (s *Store) BatchSupported() error {
 // Duplicates cost one more round trip (their stored payload hashes); the transaction stays
 // open for the others. On error the transaction is rolled back, the counts it made taken back
 // and the connection released.
+//
+// A key held by a delivery in flight is waited for as a single claim waits
+// (Config.ClaimLockTimeout): past it the batch claim rolls back, takes its counts back,
+// releases its connection, and tries again in process, until ctx ends (ErrClaimInFlight).
 func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
+	if s.claimLockTimeout() == 0 {
+		return s.claimBatchOnce(ctx, p)
+	}
+	start := time.Now()
+	pause := claimRetryFirstPause
+	for {
+		t, res, err := s.claimBatchOnce(ctx, p)
+		if err == nil || !isLockNotAvailable(err) {
+			return t, res, err
+		}
+		timer := time.NewTimer(pause/2 + rand.N(pause/2+1))
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil, nil, fmt.Errorf("%w (waited %s): %w (last try: %w)", ErrClaimInFlight, time.Since(start).Round(time.Millisecond), ctx.Err(), err)
+		case <-timer.C:
+		}
+		pause = min(pause*2, claimRetryMaxPause)
+	}
+}
+
+func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
 	lvl, err := isoLevel(p.Isolation)
 	if err != nil {
 		return nil, nil, err
@@ -105,9 +133,9 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 			countIDs = append(countIDs, c.Key.MessageID)
 		}
 	}
-	conn, err := s.pool.Acquire(ctx)
+	conn, err := s.acquire(ctx)
 	if err != nil {
-		return nil, nil, fmt.Errorf("acquire a connection: %w", err)
+		return nil, nil, err
 	}
 	t := &batchTx{
 		claimTx: claimTx{s: s, conn: conn, finish: p.FinishTimeout, counted: p.Counted, iso: lvl},
@@ -132,6 +160,7 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 		b.BeginTx(pgx.TxOptions{})
 		b.Queue("set local synchronous_commit to off")
 		s.queueTimeouts(b)
+		s.queueClaimLockTimeout(b, false)
 		b.Queue(t.sql.lock, lockKeys).Exec(locked)
 		b.Queue(t.sql.count, countIDs, consumer).Query(func(rows pgx.Rows) error {
 			return scanIDs(rows, func(id string) { t.countedFirst[index[id]] = true })
@@ -139,9 +168,11 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 		b.Queue("commit")
 		b.Queue("begin isolation level " + strings.ToLower(string(lvl)))
 		s.queueTimeouts(b)
+		s.queueClaimLockTimeout(b, true)
 	} else {
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 		s.queueTimeouts(b)
+		s.queueClaimLockTimeout(b, true)
 		if p.Counted {
 			b.Queue(t.sql.lock, lockKeys).Exec(locked)
 		}
@@ -168,7 +199,14 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 			return rows.Err()
 		})
 	}
+	s.queueRestoreLockTimeout(b)
 	if err := s.sendClaim(ctx, conn, b, &t.claimTx); err != nil {
+		if p.Counted {
+			// The lock statement takes the keys one by one: when it fails part-way (55P03,
+			// 57014, 40P01) the session locks it took stay held through the rollback, so
+			// release them in any case.
+			t.locked = true
+		}
 		_ = t.end(ctx, func(ctx context.Context) error {
 			_, _ = t.conn.Exec(ctx, "rollback")
 			t.takeBack(ctx, false)
