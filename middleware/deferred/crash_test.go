@@ -41,12 +41,12 @@ const (
 // childLease is the lease of the crash tests: a killed worker's rows come back after it.
 const childLease = 2 * time.Second
 
-// TestDeferredChild is the child process of the crash tests; it does nothing unless started
-// by one (DEFERRED_CHILD set).
+// TestDeferredChild is the child process of the crash tests; it returns at once unless started
+// by one (DEFERRED_CHILD set), as the child entries in tests/ do.
 func TestDeferredChild(t *testing.T) {
 	mode := os.Getenv(envChild)
 	if mode == "" {
-		t.Skip("child process of the crash tests")
+		return
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
