@@ -53,6 +53,11 @@ func TestSameKeyFloodDoesNotStarveOtherKeys(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			e := newEnv(t, floodPool)
+			s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.store = s
 			mods := []func(*inbox.Config){func(c *inbox.Config) { c.ClaimTimeout = 3 * time.Second }}
 			var dl *deadLetters
 			if counted {
@@ -121,7 +126,11 @@ func BenchmarkUnrelatedKeyNoFlood(b *testing.B) { benchUnrelated(b, false) }
 
 func benchUnrelated(b *testing.B, withFlood bool) {
 	sch := testenv.NewSchema(b, floodPool)
-	store := sch.Store(b)
+	sch.Store(b) // migrated
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
+	if err != nil {
+		b.Fatal(err)
+	}
 	sch.CreateAccounts(b, 2)
 	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing"}, nil)
 	if err != nil {

@@ -14,8 +14,9 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// DefaultClaimLockTimeout is Config.ClaimLockTimeout's default: a claim that meets a lock of
-// its key for longer gives its connection back and waits in process.
+// DefaultClaimLockTimeout is the recommended Config.ClaimLockTimeout (it is off unless set):
+// a claim that meets a lock of its key for longer gives its connection back and waits in
+// process.
 const DefaultClaimLockTimeout = 2 * time.Millisecond
 
 // SQLStateLockNotAvailable is lock_not_available (class 55), raised when a lock wait passes
@@ -62,7 +63,7 @@ func (s *Store) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 // as it is: a negative ClaimLockTimeout, or a LockTimeout set (which already bounds how long a
 // claim holds its connection while it waits: past it the claim fails with 55P03).
 func (s *Store) claimLockTimeout() time.Duration {
-	if s.cfg.ClaimLockTimeout < 0 || s.cfg.LockTimeout > 0 {
+	if s.cfg.ClaimLockTimeout <= 0 || s.cfg.LockTimeout > 0 {
 		return 0
 	}
 	return s.cfg.ClaimLockTimeout

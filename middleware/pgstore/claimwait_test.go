@@ -16,7 +16,7 @@ import (
 // context ends fails with ErrWaitingForConnection, and its text says what it waited for.
 func TestClaimWaitingForAConnectionSaysSo(t *testing.T) {
 	sch := testenv.NewSchema(t, 1)
-	s := sch.Store(t)
+	s := claimWaitStore(t, sch)
 	conn, err := sch.Pool.Acquire(context.Background())
 	if err != nil {
 		t.Fatal(err)
@@ -40,7 +40,7 @@ func TestClaimWaitingForAConnectionSaysSo(t *testing.T) {
 // nothing.
 func TestClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
 	sch := testenv.NewSchema(t, 2)
-	s := sch.Store(t)
+	s := claimWaitStore(t, sch)
 	ctx := context.Background()
 	p := inbox.ClaimParams{Key: inbox.Key{MessageID: "m-held", ConsumerName: "c"}}
 	first, res, err := s.Claim(ctx, p)
@@ -103,4 +103,15 @@ func TestClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
 	if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&rows); err != nil || rows != 0 {
 		t.Fatalf("attempt rows %d (%v), want 0: a wait is not an attempt", rows, err)
 	}
+}
+
+// claimWaitStore is a store on sch's (migrated) table with ClaimLockTimeout on.
+func claimWaitStore(t *testing.T, sch *testenv.Schema) *pgstore.Store {
+	t.Helper()
+	sch.Store(t) // migrated
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

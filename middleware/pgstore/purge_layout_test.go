@@ -128,7 +128,7 @@ func TestHandlerRunsUnderItsOwnLockTimeout(t *testing.T) {
 	}{{"server's setting", 0, "0"}, {"LockTimeout", 1500 * time.Millisecond, "1500ms"}} {
 		for _, counted := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/counted=%v", tc.name, counted), func(t *testing.T) {
-				s, sch := layoutStore(t, 2, pgstore.Config{LockTimeout: tc.lock})
+				s, sch := layoutStore(t, 2, pgstore.Config{LockTimeout: tc.lock, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
 				ctx := context.Background()
 				var tx inbox.Tx
 				var err error

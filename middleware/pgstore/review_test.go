@@ -106,7 +106,7 @@ func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
 // key and finds the duplicate.
 func TestBatchClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
 	sch := testenv.NewSchema(t, 2)
-	s := sch.Store(t)
+	s := claimWaitStore(t, sch)
 	ctx := context.Background()
 	first, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "m-b", ConsumerName: "c"}})
 	if err != nil || !res.Claimed {
@@ -170,7 +170,7 @@ func TestBatchClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
 // claims and counts nothing.
 func TestBatchClaimWaitingForAConnectionSaysSo(t *testing.T) {
 	sch := testenv.NewSchema(t, 1)
-	s := sch.Store(t)
+	s := claimWaitStore(t, sch)
 	conn, err := sch.Pool.Acquire(context.Background())
 	if err != nil {
 		t.Fatal(err)

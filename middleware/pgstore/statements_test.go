@@ -107,7 +107,7 @@ func TestStatementsPerDelivery(t *testing.T) {
 	sch := testenv.NewSchema(t, 1)
 	sch.CreateAccounts(t, 1)
 	pool, wc := countingPool(t, sch, 2)
-	store, err := pgstore.New(pool, pgstore.Config{})
+	store, err := pgstore.New(pool, pgstore.Config{ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -105,9 +105,11 @@ type Config struct {
 	// lock): past it the claim releases the connection and waits in process, without one,
 	// then tries again (see claimwait.go), until the key is free or the claim's context ends
 	// (the inbox's ClaimTimeout; ErrClaimInFlight). So a flood of copies of one message
-	// cannot hold every pool connection and starve other keys. Zero means
-	// DefaultClaimLockTimeout; negative waits on the server, holding the connection. With
-	// LockTimeout set, the claim waits on the server up to LockTimeout instead (55P03 past it).
+	// cannot hold every pool connection and starve other keys. Zero (the default) or negative
+	// turns it off: the claim waits on the server, holding its connection, as before.
+	// DefaultClaimLockTimeout (2 ms) is the value to set. It costs two statements per claim, in
+	// the claim's round trip (docs/benchmarks.md). With LockTimeout set, the claim waits on the
+	// server up to LockTimeout instead (55P03 past it).
 	ClaimLockTimeout time.Duration
 }
 
@@ -147,9 +149,6 @@ var (
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pgstore: nil pool", inbox.ErrInvalidConfig)
-	}
-	if cfg.ClaimLockTimeout == 0 {
-		cfg.ClaimLockTimeout = DefaultClaimLockTimeout
 	}
 	if cfg.LockTimeout < 0 || cfg.StatementTimeout < 0 {
 		return nil, fmt.Errorf("%w: pgstore: negative timeout", inbox.ErrInvalidConfig)
