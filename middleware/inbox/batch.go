@@ -360,7 +360,7 @@ func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr err
 	counted := i.attempts != nil
 	p := BatchClaimParams{Counted: counted, Isolation: i.cfg.Isolation, FinishTimeout: i.cfg.FinishTimeout}
 	for _, m := range ms {
-		p.Claims = append(p.Claims, CountedClaimParams{ClaimParams: m.d.params, CountFirst: m.d.countFirst && !m.d.counted})
+		p.Claims = append(p.Claims, CountedClaimParams{ClaimParams: m.d.params, CountFirst: m.d.countFirst && !m.d.counted, CountLimit: i.cfg.MaxAttempts})
 	}
 	// The batch belongs to no single delivery: its work is detached from each member's
 	// context (a member cancelled meanwhile is settled by its own result) and bounded here.

@@ -335,7 +335,7 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	)
 	if i.attempts != nil {
 		var res CountedClaimResult
-		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted})
+		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted, CountLimit: i.cfg.MaxAttempts})
 		if counted != nil {
 			tx = counted
 		}

@@ -130,6 +130,12 @@ type CountedClaimParams struct {
 	// nothing when the key is already processed, so copies waiting behind a running delivery
 	// are never counted.
 	CountFirst bool
+	// CountLimit, when above zero, is the most attempts counting first may bring the key's
+	// record to: a delivery whose record already holds CountLimit attempts is not counted
+	// (Counted false; the inbox sets MaxAttempts), since it will not run the handler: its
+	// attempts are used up. So a record never shows more attempts than deliveries that ran the
+	// handler, not even for a moment. Zero: no limit.
+	CountLimit int
 }
 
 // CountedClaimResult is what AttemptStore.ClaimCounted learned.

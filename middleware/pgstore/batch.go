@@ -35,7 +35,7 @@ func (s *Store) batchSQL() batchSQL {
 			" SELECT k, $2::text FROM unnest($1::text[]) AS k" +
 			" WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE message_id = k AND consumer_name = $2::text)" +
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
-			" WHERE a.dead_lettered_at IS NULL RETURNING message_id",
+			" WHERE a.dead_lettered_at IS NULL AND a.attempts < $3::int RETURNING message_id",
 		claim: claim + " ON CONFLICT (message_id, consumer_name) DO NOTHING RETURNING message_id",
 		claimCounted: claim + " WHERE NOT EXISTS (SELECT 1 FROM " + s.attempts +
 			" WHERE message_id = u.m AND consumer_name = $2::text AND dead_lettered_at IS NOT NULL)" +
@@ -162,7 +162,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 		s.queueTimeouts(b)
 		s.queueClaimLockTimeout(b, false)
 		b.Queue(t.sql.lock, lockKeys).Exec(locked)
-		b.Queue(t.sql.count, countIDs, consumer).Query(func(rows pgx.Rows) error {
+		b.Queue(t.sql.count, countIDs, consumer, countLimit(p.Claims[0].CountLimit)).Query(func(rows pgx.Rows) error {
 			return scanIDs(rows, func(id string) { t.countedFirst[index[id]] = true })
 		})
 		b.Queue("commit")

@@ -14,10 +14,13 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// DefaultClaimLockTimeout is the recommended Config.ClaimLockTimeout (it is off unless set):
-// a claim that meets a lock of its key for longer gives its connection back and waits in
-// process.
+// DefaultClaimLockTimeout is Config.ClaimLockTimeout's default: a claim that meets a lock of
+// its key for longer gives its connection back and waits in process.
 const DefaultClaimLockTimeout = 2 * time.Millisecond
+
+// savedLockTimeout is the custom setting that holds the claim transaction's own lock_timeout
+// while the claim runs under ClaimLockTimeout.
+const savedLockTimeout = "watermill_inbox.lock_timeout"
 
 // SQLStateLockNotAvailable is lock_not_available (class 55), raised when a lock wait passes
 // lock_timeout.
@@ -59,12 +62,16 @@ func (s *Store) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	return nil, fmt.Errorf("acquire a connection: %w", err)
 }
 
-// claimLockTimeout is the lock_timeout of the claim's statements, or 0 to leave lock_timeout
-// as it is: a negative ClaimLockTimeout, or a LockTimeout set (which already bounds how long a
+// claimLockTimeout is the lock_timeout of the claim's statements (DefaultClaimLockTimeout for
+// a zero ClaimLockTimeout), or 0 to leave lock_timeout as it is: a negative ClaimLockTimeout,
+// or a LockTimeout set (which already bounds how long a
 // claim holds its connection while it waits: past it the claim fails with 55P03).
 func (s *Store) claimLockTimeout() time.Duration {
-	if s.cfg.ClaimLockTimeout <= 0 || s.cfg.LockTimeout > 0 {
+	switch {
+	case s.cfg.ClaimLockTimeout < 0 || s.cfg.LockTimeout > 0:
 		return 0
+	case s.cfg.ClaimLockTimeout == 0:
+		return DefaultClaimLockTimeout
 	}
 	return s.cfg.ClaimLockTimeout
 }
@@ -80,7 +87,7 @@ func (s *Store) queueClaimLockTimeout(b *pgx.Batch, restore bool) {
 	if restore {
 		// One statement: the subquery (not pulled up: set_config is volatile) saves the
 		// transaction's value before the outer set_config replaces it.
-		b.Queue("select set_config('lock_timeout', $1, true) from (select set_config('watermill_inbox.lock_timeout', current_setting('lock_timeout'), true)) saved", millis(d))
+		b.Queue("select set_config('lock_timeout', $1, true) from (select set_config('"+savedLockTimeout+"', current_setting('lock_timeout'), true)) saved", millis(d))
 		return
 	}
 	b.Queue("select set_config('lock_timeout', $1, true)", millis(d))
@@ -92,7 +99,7 @@ func (s *Store) queueRestoreLockTimeout(b *pgx.Batch) {
 	if s.claimLockTimeout() == 0 {
 		return
 	}
-	b.Queue("select set_config('lock_timeout', current_setting('watermill_inbox.lock_timeout'), true)")
+	b.Queue("select set_config('lock_timeout', current_setting('" + savedLockTimeout + "'), true)")
 }
 
 // isLockNotAvailable reports SQLSTATE 55P03.

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -114,4 +116,91 @@ func claimWaitStore(t *testing.T, sch *testenv.Schema) *pgstore.Store {
 		t.Fatal(err)
 	}
 	return s
+}
+
+// claimPath is one of the claim statement's forms: a plain claim, a counted claim that counts
+// first (the key's session lock taken before), and a counted claim that does not (the key's
+// transaction lock taken inside the claim statement).
+type claimPath struct {
+	name              string
+	counted, countFst bool
+}
+
+var claimPaths = []claimPath{{"plain", false, false}, {"counted-first", true, true}, {"counted-locked", true, false}}
+
+func (c claimPath) claim(ctx context.Context, s *pgstore.Store, p inbox.ClaimParams) (inbox.Tx, bool, error) {
+	if !c.counted {
+		tx, res, err := s.Claim(ctx, p)
+		return tx, res.Claimed, err
+	}
+	tx, res, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: c.countFst})
+	if tx == nil {
+		return nil, res.Claimed, err
+	}
+	return tx, res.Claimed, err
+}
+
+var everyLayout = []struct {
+	name string
+	cfg  pgstore.Config
+}{
+	{"text", pgstore.Config{}},
+	{"compact", pgstore.Config{Layout: pgstore.LayoutCompact}},
+	{"partitioned", pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}}},
+	{"compact-partitioned", pgstore.Config{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey, Interval: pgstore.PartitionHourly}}},
+}
+
+// TestClaimLockTimeoutOnEveryLayoutAndPath: with the default configuration (ClaimLockTimeout
+// on), on every layout and every claim path, a claim of a key held by an uncommitted claim
+// (of the same path) fails its lock wait with SQLSTATE 55P03 inside the claim statement and
+// waits in process (ErrClaimInFlight once its context ends), counting nothing; once the first
+// commits, it finds the duplicate; and the handler of a claim that got its key runs under
+// the transaction's own lock_timeout, not the claim's.
+func TestClaimLockTimeoutOnEveryLayoutAndPath(t *testing.T) {
+	at := time.Now().UTC()
+	for _, l := range everyLayout {
+		for _, path := range claimPaths {
+			t.Run(l.name+"/"+path.name, func(t *testing.T) {
+				s, sch := layoutStore(t, 3, l.cfg)
+				ctx := context.Background()
+				p := inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(l.name+path.name, at), ConsumerName: "c"}, PayloadHash: make([]byte, 32), ProducerTime: at}
+				first, claimed, err := path.claim(ctx, s, p)
+				if err != nil || !claimed {
+					t.Fatalf("first claim: %v, claimed %v", err, claimed)
+				}
+				defer first.Rollback(ctx) // after the Commit below, a no-op
+				ptx, _ := pgstore.PgxTx(first)
+				var lt string
+				if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil || lt != "0" {
+					t.Fatalf("the handler's lock_timeout is %q (%v), want the server's 0", lt, err)
+				}
+				// Long enough for several tries on a busy machine.
+				cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				start := time.Now()
+				_, _, err = path.claim(cctx, s, p)
+				cancel()
+				var pgErr *pgconn.PgError
+				if !errors.Is(err, pgstore.ErrClaimInFlight) || !errors.As(err, &pgErr) || pgErr.Code != pgstore.SQLStateLockNotAvailable {
+					t.Fatalf("claim behind a claim in flight: %v, want ErrClaimInFlight wrapping SQLSTATE 55P03", err)
+				}
+				if d := time.Since(start); d > 10*time.Second {
+					t.Fatalf("the claim in flight returned after %s", d)
+				}
+				if err := first.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				tx, claimed, err := path.claim(ctx, s, p)
+				if err != nil || claimed || tx != nil {
+					t.Fatalf("claim after the first committed: %v, claimed %v; want a duplicate", err, claimed)
+				}
+				var rows, records int
+				if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+					t.Fatal(err)
+				}
+				if rows != 1 || records != 0 {
+					t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0: waits are not attempts", rows, records)
+				}
+			})
+		}
+	}
 }

@@ -146,12 +146,13 @@ func (s *Store) applyLayout() {
 	if cfg.Layout == LayoutText && !part {
 		return
 	}
-	s.lockedClaimSQL = "" // written for the default layout's claim; the others lock in a statement of their own
-	cols, vals, conflict := "message_id, consumer_name, message_type, correlation_id, payload_hash", "$1, $2, $3, $4, $5", "message_id, consumer_name"
+	cols, vals, conflict := "message_id, consumer_name, message_type, correlation_id, payload_hash", []string{"$1", "$2", "$3", "$4", "$5"}, "message_id, consumer_name"
+	first := "$1::text"
 	match := "message_id = $1 AND consumer_name = $2"
 	next := 6
 	if cfg.Layout == LayoutCompact {
-		cols, vals, conflict = "message_id, consumer_id, payload_hash", "$1::text::uuid, "+s.consumerIDSQL("$2")+", $3", "message_id, consumer_id"
+		cols, vals, conflict = "message_id, consumer_id, payload_hash", []string{"$1::text::uuid", s.consumerIDSQL("$2"), "$3"}, "message_id, consumer_id"
+		first = "$1::text::uuid"
 		match = "message_id = $1::text::uuid AND consumer_id = " + s.consumerIDSQL("$2")
 		next = 4
 	}
@@ -163,15 +164,19 @@ func (s *Store) applyLayout() {
 	pmatch := match // the key in its partition
 	if part {
 		cols += ", period"
-		vals += fmt.Sprintf(", $%d", next)
+		vals = append(vals, fmt.Sprintf("$%d", next))
 		conflict += ", period"
 		pmatch = match + " AND period = $3"
 	}
-	s.claimSQL = "INSERT INTO " + s.table + " (" + cols + ") VALUES (" + vals + ") ON CONFLICT (" + conflict + ") DO NOTHING"
+	s.buildClaims(cols, vals, conflict, first)
+	limit := "$3" // the count limit, after the key's parameters
+	if part {
+		limit = "$4"
+	}
 	s.countSQL = "INSERT INTO " + s.attempts + " AS a (message_id, consumer_name)" +
 		" SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE " + pmatch + ")" +
 		" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
-		" WHERE a.dead_lettered_at IS NULL"
+		" WHERE a.dead_lettered_at IS NULL AND a.attempts < " + limit + "::int"
 	s.hashSQL = "SELECT payload_hash FROM " + s.table + " WHERE " + pmatch
 	s.clearProcessedSQL = "DELETE FROM " + s.attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL" +
 		" AND EXISTS (SELECT 1 FROM " + s.table + " WHERE " + pmatch + ")"

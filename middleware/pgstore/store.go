@@ -22,6 +22,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"regexp"
 	"slices"
 	"strconv"
@@ -102,13 +103,14 @@ type Config struct {
 	Retention inbox.Retention
 	// ClaimLockTimeout bounds how long a claim holds its pool connection while it waits on a
 	// lock of its key (the uncommitted claim of a delivery in flight, the key's attempt
-	// lock): past it the claim releases the connection and waits in process, without one,
-	// then tries again (see claimwait.go), until the key is free or the claim's context ends
-	// (the inbox's ClaimTimeout; ErrClaimInFlight). So a flood of copies of one message
-	// cannot hold every pool connection and starve other keys. Zero (the default) or negative
-	// turns it off: the claim waits on the server, holding its connection, as before.
-	// DefaultClaimLockTimeout (2 ms) is the value to set. It costs two statements per claim, in
-	// the claim's round trip (docs/benchmarks.md). With LockTimeout set, the claim waits on the
+	// lock): past it (SQLSTATE 55P03) the claim rolls back, releases the connection and
+	// waits in process, without one, then tries again (see claimwait.go), until the key is
+	// free or the claim's context ends (the inbox's ClaimTimeout; ErrClaimInFlight). So a
+	// flood of copies of one message cannot hold every pool connection and starve other
+	// keys. Zero means DefaultClaimLockTimeout (2 ms); negative turns it off: the claim waits
+	// on the server, holding its connection. The timeout is set inside the claim's own
+	// statement and the transaction's lock_timeout restored by the same statement, so it
+	// costs no statement (docs/benchmarks.md). With LockTimeout set, the claim waits on the
 	// server up to LockTimeout instead (55P03 past it).
 	ClaimLockTimeout time.Duration
 }
@@ -121,7 +123,7 @@ type Store struct {
 	versions string // quoted "schema".watermill_inbox_migrations
 	attempts string // quoted "schema"."<table>_attempts"
 
-	claimSQL, recordSQL, countSQL, hashSQL, clearSQL, clearProcessedSQL string
+	recordSQL, countSQL, hashSQL, clearSQL, clearProcessedSQL string
 
 	// Layout and partitioning (layout.go): the inbox table's key predicate on $1 and $2,
 	// the consumer predicate on a given parameter, the consumers table (compact layout) and
@@ -130,9 +132,8 @@ type Store struct {
 	consumerMatch func(param string) string
 	consumers     string
 	registered    sync.Map
-	// lockedClaimSQL is claimSQL that first takes the key's transaction-level advisory lock
-	// ($6: lockKey), in the same statement; empty in the compact and partitioned layouts.
-	lockedClaimSQL string
+	// The claim statement's forms (buildClaims).
+	claimSQL, lockedClaimSQL, claimLTSQL, lockedClaimLTSQL string
 }
 
 var (
@@ -186,29 +187,21 @@ func newNames(cfg Config) (*Store, error) {
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
 	attempts := pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize()
-	insert := "INSERT INTO " + table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
-		" VALUES ($1, $2, $3, $4, $5) ON CONFLICT (message_id, consumer_name) DO NOTHING"
 	s := &Store{
 		cfg:      cfg,
 		table:    table,
 		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
 		attempts: attempts,
-		claimSQL: insert,
-		// The lock is taken by the subquery before its one row reaches the INSERT, so the
-		// claim meets the key's lock exactly as a lock statement sent before it would, one
-		// statement fewer per delivery (pg_advisory_xact_lock is volatile: never folded away).
-		lockedClaimSQL: "INSERT INTO " + table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
-			" SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea FROM (SELECT pg_advisory_xact_lock(hashtextextended($6, 0))) AS key_lock" +
-			" ON CONFLICT (message_id, consumer_name) DO NOTHING",
 		// The key's attempt record, read in a statement of its own after the claim, so that
 		// under READ COMMITTED it sees what the transaction it waited for recorded.
 		recordSQL: "SELECT attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + attempts +
 			" WHERE message_id = $1 AND consumer_name = $2",
-		// Counts a delivery unless its key is already processed or dead-lettered.
+		// Counts a delivery unless its key is already processed or dead-lettered, or its
+		// record already holds $3 (the count limit) attempts.
 		countSQL: "INSERT INTO " + attempts + " AS a (message_id, consumer_name)" +
 			" SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM " + table + " WHERE message_id = $1 AND consumer_name = $2)" +
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
-			" WHERE a.dead_lettered_at IS NULL",
+			" WHERE a.dead_lettered_at IS NULL AND a.attempts < $3::int",
 		hashSQL:  "SELECT payload_hash FROM " + table + " WHERE message_id = $1 AND consumer_name = $2",
 		clearSQL: "DELETE FROM " + attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL",
 		// After COMMIT: clears the record only if the claim really committed (COMMIT may have
@@ -218,8 +211,46 @@ func newNames(cfg Config) (*Store, error) {
 		keyMatch:      "message_id = $1 AND consumer_name = $2",
 		consumerMatch: func(param string) string { return "consumer_name = " + param },
 	}
+	s.buildClaims("message_id, consumer_name, message_type, correlation_id, payload_hash", []string{"$1", "$2", "$3", "$4", "$5"}, "message_id, consumer_name", "$1::text")
 	s.applyLayout()
 	return s, nil
+}
+
+// buildClaims builds the claim statement's four forms from the inbox table's columns, the
+// VALUES expressions ($1 to $n, n = len(vals)), the conflict target, and first (vals[0] with
+// its type spelled out, for a sub-select):
+//
+//   - claimSQL: INSERT ... VALUES (...) ON CONFLICT (...) DO NOTHING;
+//   - lockedClaimSQL: the key's transaction-level advisory lock ($n+1: lockKey) is taken by a
+//     sub-select in the first value, so the claim meets the key's lock exactly as a lock
+//     statement sent before it would, one statement fewer (pg_advisory_xact_lock is
+//     volatile: never folded away);
+//   - claimLTSQL and lockedClaimLTSQL: the same with the claim's lock_timeout ($n+1, or $n+2
+//     after the lock key) set inside the statement before it can wait (the transaction's own
+//     value saved in watermill_inbox.lock_timeout first), and put back by RETURNING once the
+//     row is inserted, so the handler's statements run under the transaction's own
+//     lock_timeout. A claim that inserts nothing (a duplicate, or a lock wait past the timeout,
+//     SQLSTATE 55P03) is rolled back, so nothing needs restoring. No statement is added to the
+//     claim's round trip.
+//
+// VALUES expressions are computed before the row is inserted, so the sub-select runs before
+// the insert can wait on a concurrent claim of the key (the unique index's speculative
+// insertion).
+func (s *Store) buildClaims(cols string, vals []string, conflict, first string) {
+	n := len(vals)
+	stmt := func(firstVal, returning string) string {
+		v := append([]string{firstVal}, vals[1:]...)
+		return "INSERT INTO " + s.table + " (" + cols + ") VALUES (" + strings.Join(v, ", ") + ") ON CONFLICT (" + conflict + ") DO NOTHING" + returning
+	}
+	lock := func(param int) string { return fmt.Sprintf("pg_advisory_xact_lock(hashtextextended($%d, 0))", param) }
+	lt := func(param int) string {
+		return fmt.Sprintf("(SELECT set_config('lock_timeout', $%d, true) AS lt FROM (SELECT set_config('"+savedLockTimeout+"', current_setting('lock_timeout'), true) AS saved) AS saved) AS lt", param)
+	}
+	const restore = " RETURNING set_config('lock_timeout', current_setting('" + savedLockTimeout + "'), true)"
+	s.claimSQL = stmt(vals[0], "")
+	s.lockedClaimSQL = stmt("(SELECT "+first+" FROM (SELECT "+lock(n+1)+") AS key_lock)", "")
+	s.claimLTSQL = stmt("(SELECT "+first+" FROM "+lt(n+1)+")", restore)
+	s.lockedClaimLTSQL = stmt("(SELECT "+first+" FROM (SELECT "+lock(n+1)+" FROM "+lt(n+2)+") AS key_lock)", restore)
 }
 
 // Table returns the quoted, schema-qualified inbox table name, e.g. "public"."inbox_processed_messages".
@@ -331,19 +362,25 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 	}
 	k := p.Key
 	b := &pgx.Batch{}
+	lt := s.claimLockTimeout()
 	if counted && p.CountFirst {
 		// The transaction pgx hands back is the second BEGIN below: the first is the
 		// count's own, committed inside the same pipeline.
 		b.BeginTx(pgx.TxOptions{})
 		s.queueTimeouts(b)
-		s.queueClaimLockTimeout(b, false)
-		// The key's session lock, and synchronous_commit off for this transaction only
-		// (set_config with is_local), in one statement.
-		b.Queue("select pg_advisory_lock(hashtextextended($1, 0)), set_config('synchronous_commit', 'off', true)", s.lockKey(k)).Exec(func(pgconn.CommandTag) error {
+		// The key's session lock, with synchronous_commit off for this transaction only
+		// (set_config with is_local), and the claim's lock_timeout, in one statement: the
+		// sub-select's settings are made before the lock is asked for.
+		lockSQL, lockArgs := "select pg_advisory_lock(hashtextextended($1, 0)), set_config('synchronous_commit', 'off', true)", []any{s.lockKey(k)}
+		if lt > 0 {
+			lockSQL = "select pg_advisory_lock(hashtextextended($1, 0)) from (select set_config('synchronous_commit', 'off', true) as sc, set_config('lock_timeout', $2, true) as lt) as settings"
+			lockArgs = append(lockArgs, millis(lt))
+		}
+		b.Queue(lockSQL, lockArgs...).Exec(func(pgconn.CommandTag) error {
 			t.locked = true
 			return nil
 		})
-		b.Queue(s.countSQL, s.keyArgs(k, period)...).Exec(func(ct pgconn.CommandTag) error {
+		b.Queue(s.countSQL, append(s.keyArgs(k, period), countLimit(p.CountLimit))...).Exec(func(ct pgconn.CommandTag) error {
 			res.Counted = ct.RowsAffected() == 1
 			return nil
 		})
@@ -353,19 +390,19 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
-	s.queueClaimLockTimeout(b, true)
 	claimSQL, args := s.claimSQL, s.claimArgs(p.ClaimParams, period)
-	if counted && !p.CountFirst {
-		// A counted claim that did not count first still takes the key's lock, for its
-		// transaction only: while its handler runs no copy can count, so its Fail reports
-		// its own failure, never a waiting copy's count. In the default layout the claim
-		// statement takes it before it inserts; the other layouts send it just before.
-		if s.lockedClaimSQL != "" {
-			claimSQL = s.lockedClaimSQL
-			args = append(args, s.lockKey(k))
-		} else {
-			b.Queue("select pg_advisory_xact_lock(hashtextextended($1, 0))", s.lockKey(k))
-		}
+	// A counted claim that did not count first still takes the key's lock, for its
+	// transaction only, inside the claim statement: while its handler runs no copy can
+	// count, so its Fail reports its own failure, never a waiting copy's count. With a
+	// claim lock timeout, the statement sets it before it can wait and restores the
+	// transaction's own once the row is in (buildClaims).
+	switch locked := counted && !p.CountFirst; {
+	case locked && lt > 0:
+		claimSQL, args = s.lockedClaimLTSQL, append(args, s.lockKey(k), millis(lt))
+	case locked:
+		claimSQL, args = s.lockedClaimSQL, append(args, s.lockKey(k))
+	case lt > 0:
+		claimSQL, args = s.claimLTSQL, append(args, millis(lt))
 	}
 	b.Queue(claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
 		res.Claimed = ct.RowsAffected() == 1
@@ -385,7 +422,6 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 			return err
 		})
 	}
-	s.queueRestoreLockTimeout(b)
 	err = s.sendClaim(ctx, conn, b, t)
 	if err != nil {
 		if counted && p.CountFirst {
@@ -502,6 +538,14 @@ func (s *Store) sendClaim(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch,
 		return fmt.Errorf("%w (%w)", ctx.Err(), err)
 	}
 	return err
+}
+
+// countLimit is the count statement's limit parameter: n, or no limit for n <= 0.
+func countLimit(n int) int32 {
+	if n <= 0 || n > math.MaxInt32 {
+		return math.MaxInt32
+	}
+	return int32(n)
 }
 
 // lockKey is the text hashed (hashtextextended) into the key's advisory lock: table, consumer

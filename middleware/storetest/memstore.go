@@ -156,7 +156,7 @@ func (s *MemStore) claim(ctx context.Context, p inbox.CountedClaimParams, counte
 		tx.locked = true
 	}
 	if counted && p.CountFirst {
-		if _, done := s.rows[k]; !done && !s.records[k].DeadLettered {
+		if _, done := s.rows[k]; !done && !s.records[k].DeadLettered && (p.CountLimit <= 0 || s.records[k].Attempts < p.CountLimit) {
 			r := s.records[k]
 			r.Attempts++
 			s.records[k] = r

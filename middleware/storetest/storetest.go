@@ -67,6 +67,7 @@ func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 		{"CountedCopyBehindAnUncountedClaim", testCountedCopyBehindAnUncountedClaim},
 		{"DeadLetteredUntilReplay", testDeadLetteredUntilReplay},
 		{"AdjustAttempts", testAdjustAttempts},
+		{"CountLimitStopsCounting", testCountLimitStopsCounting},
 	}
 	for _, tc := range core {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, newStore(t)) })
@@ -442,6 +443,43 @@ func testCountSurvivesRollbacks(t *testing.T, s inbox.AttemptStore) {
 	_ = tx.Rollback(ctxT(t))
 	if n := attemptsOf(t, s, "m-poison"); n != 3 {
 		t.Fatalf("attempts after rollbacks = %d, want 3", n)
+	}
+}
+
+// testCountLimitStopsCounting: a delivery that counts first with CountLimit n is not counted
+// once the record holds n attempts (its attempts are used up: it will not run the handler), so
+// the record never shows more attempts than deliveries that may have run it. Without a limit it
+// is counted.
+func testCountLimitStopsCounting(t *testing.T, s inbox.AttemptStore) {
+	const limit = 2
+	claim := func(first bool, limit int) inbox.CountedClaimResult {
+		t.Helper()
+		tx, res, err := s.ClaimCounted(ctxT(t), inbox.CountedClaimParams{ClaimParams: params("m-limit"), CountFirst: first, CountLimit: limit})
+		if err != nil {
+			t.Fatalf("ClaimCounted: %v", err)
+		}
+		if tx != nil {
+			if err := tx.Rollback(ctxT(t)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return res
+	}
+	for want := 1; want <= limit; want++ {
+		if res := claim(true, limit); !res.Claimed || !res.Counted || res.Record.Attempts != want {
+			t.Fatalf("delivery %d under the limit: %+v, want claimed and counted, attempts %d", want, res, want)
+		}
+	}
+	for range 3 {
+		if res := claim(true, limit); !res.Claimed || res.Counted || res.Record.Attempts != limit {
+			t.Fatalf("delivery at the limit: %+v, want claimed, not counted, attempts %d", res, limit)
+		}
+		if n := attemptsOf(t, s, "m-limit"); n != limit {
+			t.Fatalf("attempts after a delivery at the limit = %d, want %d", n, limit)
+		}
+	}
+	if res := claim(true, 0); !res.Counted || res.Record.Attempts != limit+1 {
+		t.Fatalf("delivery without a limit: %+v, want counted, attempts %d", res, limit+1)
 	}
 }
 
