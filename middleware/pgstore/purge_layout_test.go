@@ -51,16 +51,33 @@ func TestPurgeExpiredAndStatsOnEveryLayout(t *testing.T) {
 					recent = append(recent, id.String())
 				}
 			}
-			// Age the first 20 past the 2-hour window (received_at is not the partition key).
-			if _, err := sch.Pool.Exec(ctx, "UPDATE "+s.Table()+" SET received_at = now() - interval '3 hours' WHERE message_id::text = ANY($1)", old); err != nil {
-				t.Fatal(err)
+			// Age the first 20 past the 2-hour window (received_at is not the partition key),
+			// and two recent ones to 30 seconds inside it: the compact layout's minutes must
+			// not purge them early.
+			age := func(ids []string, by string) {
+				t.Helper()
+				set := "received_at = now() - $2::interval"
+				if cfg.Layout == pgstore.LayoutCompact {
+					set = "received_minute = floor(extract(epoch FROM now() - $2::interval) / 60)::integer"
+				}
+				if _, err := sch.Pool.Exec(ctx, "UPDATE "+s.Table()+" SET "+set+" WHERE message_id::text = ANY($1)", ids, by); err != nil {
+					t.Fatal(err)
+				}
 			}
+			age(old, "3 hours")
+			age(recent[:2], "1 hour 59 minutes 30 seconds")
 			st, err := s.Stats(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if st.Rows != 30 || st.PerConsumer["billing"] != 15 || st.PerConsumer["ledger"] != 15 {
 				t.Fatalf("stats before: rows %d, per consumer %v; want 30, 15 each", st.Rows, st.PerConsumer)
+			}
+			// Oldest and newest, to the minute in the compact layout.
+			if st.Oldest == nil || st.Newest == nil ||
+				time.Since(*st.Oldest) < 3*time.Hour-time.Minute || time.Since(*st.Oldest) > 3*time.Hour+2*time.Minute ||
+				time.Since(*st.Newest) < -time.Minute || time.Since(*st.Newest) > 2*time.Minute {
+				t.Fatalf("stats before: oldest %v, newest %v; want about 3 hours ago and now", st.Oldest, st.Newest)
 			}
 			rep, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{BatchSize: 3, Pause: -1})
 			if err != nil {
