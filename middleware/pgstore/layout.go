@@ -405,8 +405,15 @@ func (s *Store) registerConsumer(ctx context.Context, name string) error {
 	if _, ok := s.registered.Load(name); ok {
 		return nil
 	}
-	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.consumers+" (consumer_name) SELECT $1::text"+
+	// Through acquire, so that a pool with every connection in use gives the claim's error
+	// (ErrWaitingForConnection) here too.
+	conn, err := s.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = conn.Exec(ctx, "INSERT INTO "+s.consumers+" (consumer_name) SELECT $1::text"+
 		" WHERE NOT EXISTS (SELECT 1 FROM "+s.consumers+" WHERE consumer_name = $1::text) ON CONFLICT (consumer_name) DO NOTHING", name)
+	conn.Release()
 	if err != nil {
 		return fmt.Errorf("register consumer name: %w", err)
 	}

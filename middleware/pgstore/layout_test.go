@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -72,6 +73,14 @@ func (u uuidKeys) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) 
 	return u.Store.ClaimCounted(ctx, p)
 }
 
+func (u uuidKeys) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
+	p.Claims = slices.Clone(p.Claims)
+	for k := range p.Claims {
+		p.Claims[k].Key, p.Claims[k].ProducerTime = u.key(p.Claims[k].Key), u.at
+	}
+	return u.Store.ClaimBatch(ctx, p)
+}
+
 func (u uuidKeys) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int, error) {
 	p.Key = u.key(p.Key)
 	return u.Store.AdjustAttempts(ctx, p)
@@ -87,9 +96,9 @@ func (u uuidKeys) Replay(ctx context.Context, p inbox.AttemptParams) (bool, erro
 	return u.Store.Replay(ctx, p)
 }
 
-// TestConformanceLayouts runs the storetest suite on every new layout and mode: the compact
-// layout, partitioned by the timestamp of UUIDv7 keys (text layout), and compact partitioned
-// by a producer time the claim carries.
+// TestConformanceLayouts runs the storetest suite, its group-commit cases (Batch/...)
+// included, on every new layout and mode: the compact layout, partitioned by the timestamp of
+// UUIDv7 keys (text layout), and compact partitioned by a producer time the claim carries.
 func TestConformanceLayouts(t *testing.T) {
 	for _, tc := range []struct {
 		name string
