@@ -107,6 +107,6 @@ func (e *env) key(name string) string {
 type layoutKeys struct{ e *env }
 
 func (k layoutKeys) ExtractKey(msg *message.Message) (string, error) { return k.e.key(msg.UUID), nil }
-func (k layoutKeys) Source() string                                { return "message UUID (mapped to a UUIDv7)" }
+func (k layoutKeys) Source() string                                  { return "message UUID (mapped to a UUIDv7)" }
 
 var _ inbox.KeyExtractor = layoutKeys{}

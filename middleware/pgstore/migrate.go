@@ -222,12 +222,13 @@ func MigrationSQL(cfg Config) (string, error) {
 
 // verifyKey checks that the inbox table has the configured layout: a unique index on exactly
 // its key columns ((message_id, consumer_name) in the text layout, (message_id, consumer_id)
-// in the compact one, plus period when partitioned), message_id of the layout's type, and
-// partitioned exactly when the store is, and its time column (received_at timestamptz in the
-// text layout, received_minute integer in the compact one, since migration 0003). CREATE TABLE IF NOT EXISTS adopts an existing table
-// of that name whatever its shape, and the claim's ON CONFLICT needs that index (without it
-// every claim fails with SQLSTATE 42P10). A table of another layout gets an error wrapping
-// inbox.ErrInvalidConfig that points to the conversion script (LayoutMigrationSQL).
+// in the compact one, plus period when partitioned), message_id of the layout's type,
+// partitioned exactly when the store is, and the layout's time column (received_at
+// timestamptz in the text layout, received_minute integer in the compact one since migration
+// 0003). CREATE TABLE IF NOT EXISTS adopts an existing table of that name whatever its shape,
+// and the claim's ON CONFLICT needs that index (without it every claim fails with SQLSTATE
+// 42P10). A table of another layout gets an error wrapping inbox.ErrInvalidConfig that points
+// to the conversion (LayoutMigrationSQL, `watermill-inbox layout convert`).
 func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
 	want := []string{"consumer_name", "message_id"}
 	typ := "text"
@@ -263,7 +264,7 @@ func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
 		if partitioned {
 			have = "a partitioned table"
 		}
-		return fmt.Errorf("%w: pgstore: table %s (%s, message_id %s) does not have the configured layout (%s, partitioned %v: a unique key on %v); it was created by other settings or other software. Convert it explicitly (pgstore.LayoutMigrationSQL, docs/retention.md), or configure the layout it has",
+		return fmt.Errorf("%w: pgstore: table %s (%s, message_id %s) does not have the configured layout (%s, partitioned %v: a unique key on %v); it was created by other settings or other software. Convert it explicitly (`watermill-inbox layout convert`, pgstore.LayoutMigrationSQL; docs/retention.md), or configure the layout it has",
 			inbox.ErrInvalidConfig, s.table, have, deref(idType), s.cfg.Layout, s.cfg.Partitioning != nil, want)
 	}
 	return nil
