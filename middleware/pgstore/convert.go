@@ -24,8 +24,8 @@ const (
 // (Migrate returns an error wrapping inbox.ErrInvalidConfig) until the script has run.
 //
 // The script runs in one transaction. It locks the table (ACCESS EXCLUSIVE: claims wait
-// until it commits, so run it in a quiet period; it copies about 1,000,000 rows in tens of
-// seconds), refuses with an exception, changing nothing, when a stored key cannot be
+// until it commits, so run it in a quiet period; 1,000,000 rows took 83 s on a busy test
+// machine), refuses with an exception, changing nothing, when a stored key cannot be
 // converted (not a canonical lowercase UUID for the compact layout, not a UUIDv7 for
 // partitioning by key time), renames the table to "<table>_old" (and its indexes), creates
 // the new table (and its consumers table, and one partition per period present in the old
