@@ -16,6 +16,9 @@ const (
 	exitError = 1 // an error while running
 	exitUsage = 2 // bad flags, arguments or configuration, reported before any change
 	exitBusy  = 3 // purge: another purge of the table holds the purge lock
+	// exitRefused: layout convert will not convert as asked (keys the new layout cannot
+	// hold, a source layout it does not convert from, <table>_old exists); nothing changed.
+	exitRefused = 4
 )
 
 // usageError marks an error as the caller's: exit status 2.
@@ -35,6 +38,8 @@ func exitCode(err error) int {
 		return exitUsage
 	case errors.Is(err, pgstore.ErrPurgeInProgress):
 		return exitBusy
+	case errors.As(err, new(refusedError)):
+		return exitRefused
 	}
 	return exitError
 }

@@ -4,6 +4,9 @@
 //	watermill-inbox migrate --print          # print the SQL for your own migration tool
 //	watermill-inbox migrate --schema billing --table inbox
 //	watermill-inbox migrate --outbox         # also the outbox tables (topic inbox_outbox)
+//	watermill-inbox migrate --layout compact # a new table in the compact layout
+//	watermill-inbox layout show              # the table's layout, read from the catalog
+//	watermill-inbox layout convert --to compact [--partitioned daily] [--dry-run | --print]
 //	watermill-inbox deferred migrate         # the store-then-process table (see deferred.go)
 //	watermill-inbox deferred replay --consumer billing --status dead
 //	watermill-inbox grants --role app --outbox   # the application role's GRANT statements
@@ -20,17 +23,21 @@
 // success, 1 on an error while running (the database refused, a key is not dead-lettered), 2
 // on a usage error (an unknown flag or command, a bad flag value, no database URL, an invalid
 // name, a retention window shorter than the declared redelivery window plus margin), 3 when
-// purge found another purge of the same table running (nothing was done; try again later).
+// purge found another purge of the same table running (nothing was done; try again later), 4
+// when layout convert refused the conversion (keys the new layout cannot hold, a source layout
+// it does not convert from, <table>_old exists; nothing was changed).
 package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
 	"runtime/debug"
 	"syscall"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
@@ -84,6 +91,7 @@ func rootCmd() *cobra.Command {
 	}
 	root.AddCommand(migrateCmd())
 	root.AddCommand(partitionsCmd())
+	root.AddCommand(layoutCmd())
 	root.AddCommand(deferredCmd())
 	root.AddCommand(purgeCmd())
 	root.AddCommand(statsCmd())
@@ -96,21 +104,28 @@ func rootCmd() *cobra.Command {
 func migrateCmd() *cobra.Command {
 	var f storeFlags
 	var print, withOutbox bool
+	var layoutName string
 	var outboxTopic string
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Apply the inbox schema migrations, or print them with --print",
 		Long: "Applies pending migrations in one transaction under an advisory lock (safe when several\n" +
 			"instances run it at once). With --print, writes the SQL script to standard output\n" +
-			"without connecting, for teams that run their own migration tool.",
+			"without connecting, for teams that run their own migration tool. An existing table\n" +
+			"keeps its layout (text or compact, detected); --layout chooses a new table's.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			obCfg := outbox.Config{Schema: f.schema, Topic: outboxTopic}
 			if obCfg.Topic == "" {
 				obCfg.Topic = outbox.DefaultTopic
 			}
+			newLayout, err := parseLayout(layoutName)
+			if err != nil {
+				return err
+			}
+			layoutSet := cmd.Flags().Changed("layout")
 			if print {
-				script, err := pgstore.MigrationSQL(pgstore.Config{Schema: f.schema, Table: f.table})
+				script, err := pgstore.MigrationSQL(pgstore.Config{Schema: f.schema, Table: f.table, Layout: newLayout})
 				if err != nil {
 					return err
 				}
@@ -141,7 +156,22 @@ func migrateCmd() *cobra.Command {
 				return fmt.Errorf("connect: %w", err)
 			}
 			defer pool.Close()
-			store, err := pgstore.New(pool, pgstore.Config{Schema: f.schema, Table: f.table})
+			// An existing table keeps its own layout (convert it with `layout convert`);
+			// --layout chooses a new table's.
+			cfg, err := pgstore.DetectLayout(cmd.Context(), pool, pgstore.Config{Schema: f.schema, Table: f.table, Layout: newLayout})
+			switch {
+			case errors.Is(err, pgstore.ErrNoTable):
+				cfg = pgstore.Config{Schema: f.schema, Table: f.table, Layout: newLayout}
+			case err != nil:
+				return fmt.Errorf("connect to %s: %w", redactURL(url), err)
+			case layoutSet && cfg.Layout != newLayout:
+				how := "convert it with `watermill-inbox layout convert --to compact`"
+				if cfg.Layout != pgstore.LayoutText {
+					how = "a conversion back to the text layout is not built; drop --layout to migrate it as it is"
+				}
+				return usageError{fmt.Errorf("table %s exists in the %s layout, not %s: %s", pgx.Identifier{f.schema, f.table}.Sanitize(), cfg.Layout, newLayout, how)}
+			}
+			store, err := pgstore.New(pool, cfg)
 			if err != nil {
 				return err
 			}
@@ -165,6 +195,7 @@ func migrateCmd() *cobra.Command {
 	}
 	f.register(cmd)
 	cmd.Flags().BoolVar(&print, "print", false, "print the SQL script instead of applying it")
+	cmd.Flags().StringVar(&layoutName, "layout", "text", "layout of a new table: text or compact (an existing table keeps its own; see `layout convert`)")
 	cmd.Flags().BoolVar(&withOutbox, "outbox", false, "also create the outbox tables (package middleware/outbox) in the same schema")
 	cmd.Flags().StringVar(&outboxTopic, "outbox-topic", "", "the outbox topic (default "+outbox.DefaultTopic+")")
 	return cmd

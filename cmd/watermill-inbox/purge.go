@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"strconv"
@@ -47,7 +48,8 @@ func (v days) Set(s string) error {
 
 func (days) Type() string { return "duration" }
 
-// connect validates the store configuration, then opens a small pool and pings it. Invalid
+// connect validates the store configuration, then opens a small pool, pings it and reads the
+// existing table's layout (pgstore.DetectLayout), which it sets in the store's Config. Invalid
 // names or windows and a missing URL are usage errors, reported before connecting.
 func (f *storeFlags) connect(ctx context.Context, cfg pgstore.Config) (*pgstore.Store, *pgxpool.Pool, error) {
 	cfg.Schema, cfg.Table = f.schema, f.table
@@ -77,6 +79,14 @@ func (f *storeFlags) connect(ctx context.Context, cfg pgstore.Config) (*pgstore.
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
 		return nil, nil, fmt.Errorf("connect: %w", err)
+	}
+	// The table's own layout (text or compact, partitioned or not), so purge and stats
+	// read the columns it has. A missing table keeps cfg: the command reports it.
+	if detected, err := pgstore.DetectLayout(pctx, pool, cfg); err == nil {
+		cfg = detected
+	} else if !errors.Is(err, pgstore.ErrNoTable) {
+		pool.Close()
+		return nil, nil, err
 	}
 	store, err := pgstore.New(pool, cfg)
 	if err != nil {

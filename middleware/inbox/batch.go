@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -415,7 +416,8 @@ func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr err
 			continue
 		case !res.Claimed:
 			d.counted = false // the store takes a duplicate's count back
-			if len(res.StoredPayloadHash) > 0 && !bytesEqual(res.StoredPayloadHash, d.params.PayloadHash) {
+			// A store may keep a prefix of the hash (ClaimResult.StoredPayloadHash).
+			if len(res.StoredPayloadHash) > 0 && !bytes.HasPrefix(d.params.PayloadHash, res.StoredPayloadHash) {
 				d.res.Outcome = OutcomeCollision
 			} else {
 				d.res.Outcome = OutcomeDuplicate
@@ -618,5 +620,3 @@ func (i *Inbox) failKindOf(d *delivery, herr error) failKind {
 	}
 	return failMessage
 }
-
-func bytesEqual(a, b []byte) bool { return string(a) == string(b) }

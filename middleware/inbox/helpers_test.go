@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,6 +22,12 @@ type env struct {
 	sch   *testenv.Schema
 	store *pgstore.Store
 	runs  atomic.Int64 // handler invocations
+
+	// A layout env (newLayoutEnv) maps message names to UUIDv7 keys at the time at; names
+	// records the mapping (nil in the text layout: keys are the names).
+	at    time.Time
+	mu    sync.Mutex
+	names map[string]string
 }
 
 func newEnv(t *testing.T, conns int32) *env {
@@ -46,6 +53,9 @@ func newEnv(t *testing.T, conns int32) *env {
 func (e *env) inbox(consumer string, mod ...func(*inbox.Config)) *inbox.Inbox {
 	e.t.Helper()
 	cfg := inbox.Config{Store: e.store, ConsumerName: consumer}
+	if e.names != nil {
+		cfg.KeyExtractor = layoutKeys{e}
+	}
 	for _, m := range mod {
 		m(&cfg)
 	}
@@ -106,7 +116,7 @@ func (e *env) balance(account int) int64 {
 func (e *env) rows(where string, args ...any) int {
 	e.t.Helper()
 	var n int
-	q := "SELECT count(*) FROM inbox_processed_messages"
+	q := "SELECT count(*) FROM " + e.store.Table()
 	if where != "" {
 		q += " WHERE " + where
 	}

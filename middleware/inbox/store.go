@@ -60,7 +60,7 @@ type ClaimResult struct {
 	Claimed bool
 	// StoredPayloadHash is the payload hash kept with the existing claim, for a duplicate;
 	// nil when the claim is new or the row has none. A store that keeps only a prefix of the
-	// SHA-256 (pgstore's compact layout keeps 4 bytes) returns that prefix, at least 4 bytes
+	// SHA-256 (pgstore's compact layout keeps 2 bytes) returns that prefix, at least 2 bytes
 	// long; the inbox compares it with the same prefix of the new payload's hash.
 	StoredPayloadHash []byte
 }

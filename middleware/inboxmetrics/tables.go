@@ -84,6 +84,7 @@ type TableCollector struct {
 	q                                     Querier
 	cfg                                   TableConfig
 	table, attempts, label                string
+	receivedAt                            string // the store's SQL for a row's received time
 	msgs, offsets, outboxLabel            string
 	up, rows, heap, index, perRow, oldest *prometheus.Desc
 	pending, dead                         *prometheus.Desc
@@ -109,7 +110,8 @@ func NewTableCollector(store *pgstore.Store, cfg TableConfig) (*TableCollector, 
 		cfg.CountCap = DefaultCountCap
 	}
 	sc := store.Config()
-	c := &TableCollector{q: cfg.Querier, cfg: cfg, table: store.Table(), attempts: store.AttemptsTable(), label: sc.Schema + "." + sc.Table}
+	c := &TableCollector{q: cfg.Querier, cfg: cfg, table: store.Table(), attempts: store.AttemptsTable(), label: sc.Schema + "." + sc.Table,
+		receivedAt: store.ReceivedAtSQL()}
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", name), help, labels, nil)
 	}
@@ -224,7 +226,7 @@ func (c *TableCollector) Read(ctx context.Context) (TableStats, error) {
 	s := TableStats{OutboxBacklog: -1}
 	var oldest float64
 	err := c.q.QueryRow(ctx, `SELECT c.reltuples::float8, pg_relation_size(c.oid)::float8, pg_indexes_size(c.oid)::float8,
-		coalesce(extract(epoch FROM now() - (SELECT min(received_at) FROM `+c.table+`)), 0)::float8,
+		coalesce(extract(epoch FROM now() - (SELECT min(`+c.receivedAt+`) FROM `+c.table+`)), 0)::float8,
 		(SELECT count(*) FROM (SELECT 1 FROM `+c.attempts+` WHERE dead_lettered_at IS NULL LIMIT $2) p)::float8,
 		(SELECT count(*) FROM (SELECT 1 FROM `+c.attempts+` WHERE dead_lettered_at IS NOT NULL LIMIT $2) d)::float8
 		FROM pg_class c WHERE c.oid = $1::regclass`, c.table, c.cfg.CountCap).

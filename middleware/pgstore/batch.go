@@ -19,48 +19,86 @@ var _ inbox.BatchStore = (*Store)(nil)
 // savepointName is the one savepoint name of a batch (BatchTx.Savepoint reuses it).
 const savepointName = "inbox_member"
 
-// batchSQL holds the statements of ClaimBatch, built from the store's quoted names. Keys
-// travel as arrays ($1: message IDs, in the batch's order; $2: the consumer name).
+// batchSQL holds the statements of ClaimBatch, built from the store's quoted names and its
+// layout. Keys travel as arrays ($1: message IDs, in the batch's order; $2: the consumer name;
+// in partitioned mode the periods, in the same order, as the last parameter).
 type batchSQL struct {
 	lock, count, claim, claimCounted, records, hashes, clear, drop string
 }
 
+// batchKeyOn is the predicate that a row t of the inbox table holds the key of message ID id
+// (a text expression) for the consumer $2, in the period p when partitioned.
+func (s *Store) batchKeyOn(id, p string) string {
+	m := "t.message_id = " + id + " AND t.consumer_name = $2::text"
+	if s.cfg.Layout == LayoutCompact {
+		m = "t.message_id = (" + id + ")::uuid AND t.consumer_id = " + s.consumerIDSQL("$2::text")
+	}
+	if s.cfg.Partitioning != nil {
+		m += " AND t.period = " + p
+	}
+	return m
+}
+
 func (s *Store) batchSQL() batchSQL {
-	claim := "INSERT INTO " + s.table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
-		" SELECT u.m, $2::text, u.ty, u.c, u.h FROM unnest($1::text[], $3::text[], $4::text[], $5::bytea[]) AS u(m, ty, c, h)"
+	part := s.cfg.Partitioning != nil
+	// The keys with their periods: unnest($1 ids[, $n periods]) AS u(k[, p]).
+	keys := func(n int) string {
+		if part {
+			return fmt.Sprintf("unnest($1::text[], $%d::timestamptz[]) AS u(k, p)", n)
+		}
+		return "unnest($1::text[]) AS u(k)"
+	}
+	var claim, conflict string
+	switch {
+	case s.cfg.Layout == LayoutCompact && part:
+		claim = "INSERT INTO " + s.table + " (message_id, consumer_id, payload_hash, period)" +
+			" SELECT u.m::uuid, " + s.consumerIDSQL("$2::text") + ", u.h, u.p FROM unnest($1::text[], $3::smallint[], $4::timestamptz[]) AS u(m, h, p)"
+		conflict = "message_id, consumer_id, period"
+	case s.cfg.Layout == LayoutCompact:
+		claim = "INSERT INTO " + s.table + " (message_id, consumer_id, payload_hash)" +
+			" SELECT u.m::uuid, " + s.consumerIDSQL("$2::text") + ", u.h FROM unnest($1::text[], $3::smallint[]) AS u(m, h)"
+		conflict = "message_id, consumer_id"
+	case part:
+		claim = "INSERT INTO " + s.table + " (message_id, consumer_name, message_type, correlation_id, payload_hash, period)" +
+			" SELECT u.m, $2::text, u.ty, u.c, u.h, u.p FROM unnest($1::text[], $3::text[], $4::text[], $5::bytea[], $6::timestamptz[]) AS u(m, ty, c, h, p)"
+		conflict = "message_id, consumer_name, period"
+	default:
+		claim = "INSERT INTO " + s.table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
+			" SELECT u.m, $2::text, u.ty, u.c, u.h FROM unnest($1::text[], $3::text[], $4::text[], $5::bytea[]) AS u(m, ty, c, h)"
+		conflict = "message_id, consumer_name"
+	}
+	// The count statement's limit (countLimit), after the keys' parameters.
+	limit := "$3"
+	if part {
+		limit = "$4"
+	}
+	drop := "DELETE FROM " + s.table + " WHERE " + s.keyMatch
+	if part {
+		drop += " AND period = $3"
+	}
 	return batchSQL{
 		// Session-level locks on every key, taken in the array's order (unnest keeps it).
 		lock: "SELECT pg_advisory_lock(hashtextextended(k, 0)) FROM unnest($1::text[]) AS k",
 		count: "INSERT INTO " + s.attempts + " AS a (message_id, consumer_name)" +
-			" SELECT k, $2::text FROM unnest($1::text[]) AS k" +
-			" WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE message_id = k AND consumer_name = $2::text)" +
+			" SELECT u.k, $2::text FROM " + keys(3) +
+			" WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " t WHERE " + s.batchKeyOn("u.k", "u.p") + ")" +
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
-			" WHERE a.dead_lettered_at IS NULL AND a.attempts < $3::int RETURNING message_id",
-		claim: claim + " ON CONFLICT (message_id, consumer_name) DO NOTHING RETURNING message_id",
+			" WHERE a.dead_lettered_at IS NULL AND a.attempts < " + limit + "::int RETURNING message_id",
+		claim: claim + " ON CONFLICT (" + conflict + ") DO NOTHING RETURNING message_id::text",
 		claimCounted: claim + " WHERE NOT EXISTS (SELECT 1 FROM " + s.attempts +
 			" WHERE message_id = u.m AND consumer_name = $2::text AND dead_lettered_at IS NOT NULL)" +
-			" ON CONFLICT (message_id, consumer_name) DO NOTHING RETURNING message_id",
+			" ON CONFLICT (" + conflict + ") DO NOTHING RETURNING message_id::text",
 		records: "SELECT message_id, attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + s.attempts +
 			" WHERE consumer_name = $2 AND message_id = ANY($1::text[])",
-		hashes: "SELECT message_id, payload_hash FROM " + s.table + " WHERE consumer_name = $2 AND message_id = ANY($1::text[])",
+		hashes: "SELECT u.k, t.payload_hash FROM " + keys(3) + " JOIN " + s.table + " t ON " + s.batchKeyOn("u.k", "u.p"),
 		clear: "DELETE FROM " + s.attempts + " a WHERE a.consumer_name = $2 AND a.message_id = ANY($1::text[]) AND a.dead_lettered_at IS NULL" +
-			" AND EXISTS (SELECT 1 FROM " + s.table + " t WHERE t.message_id = a.message_id AND t.consumer_name = $2)",
-		drop: "DELETE FROM " + s.table + " WHERE message_id = $1 AND consumer_name = $2",
+			" AND a.message_id IN (SELECT u.k FROM " + keys(3) + " JOIN " + s.table + " t ON " + s.batchKeyOn("u.k", "u.p") + ")",
+		drop: drop,
 	}
 }
 
-// ErrBatchLayout is returned by BatchSupported for a store in the compact layout or in
-// partitioned mode: group commit's batch claim is written for the default text layout only.
-var ErrBatchLayout = errors.New("pgstore: group commit (Config.Batch) supports only the default text layout, not the compact layout or partitioned mode")
-
-// BatchSupported returns nil for the default layout and ErrBatchLayout for the compact layout
-// or partitioned mode (inbox.BatchStore).
-func (s *Store) BatchSupported() error {
-	if s.cfg.Layout != LayoutText || s.cfg.Partitioning != nil {
-		return ErrBatchLayout
-	}
-	return nil
-}
+// BatchSupported implements inbox.BatchStore: nil, in every layout and mode.
+func (s *Store) BatchSupported() error { return nil }
 
 // ClaimBatch implements inbox.BatchStore. Everything before the first handler travels in one
 // pipelined round trip, whatever the batch's size:
@@ -116,7 +154,9 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	ids := make([]string, n)
 	types, corrs := make([]*string, n), make([]*string, n)
 	hashes := make([][]byte, n)
+	periods := make([]time.Time, n) // partitioned mode
 	var countIDs []string
+	var countPeriods []time.Time
 	seen := make(map[string]bool, n)
 	for k, c := range p.Claims {
 		if c.Key.ConsumerName != consumer {
@@ -126,12 +166,41 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 			return nil, nil, fmt.Errorf("%w: pgstore: a batch holds distinct keys", inbox.ErrInvalidConfig)
 		}
 		seen[c.Key.MessageID] = true
+		// The layout's key rules (a UUID, a producer time), as a single claim checks them.
+		if periods[k], err = s.period(c.ClaimParams); err != nil {
+			return nil, nil, err
+		}
 		ids[k] = c.Key.MessageID
 		types[k], corrs[k] = strOrNil(c.MessageType), strOrNil(c.CorrelationID)
 		hashes[k] = c.PayloadHash
 		if p.Counted && c.CountFirst {
 			countIDs = append(countIDs, c.Key.MessageID)
+			countPeriods = append(countPeriods, periods[k])
 		}
+	}
+	if err := s.registerConsumer(ctx, consumer); err != nil {
+		return nil, nil, err
+	}
+	part := s.cfg.Partitioning != nil
+	// keyArgs are the key arrays of the count, hash and clean-up statements.
+	keyArgs := func(ids []string, ps []time.Time) []any {
+		if part {
+			return []any{ids, consumer, ps}
+		}
+		return []any{ids, consumer}
+	}
+	var claimArgs []any
+	if s.cfg.Layout == LayoutCompact {
+		h16 := make([]*int16, n)
+		for k, h := range hashes {
+			h16[k] = compactHash(h)
+		}
+		claimArgs = []any{ids, consumer, h16}
+	} else {
+		claimArgs = []any{ids, consumer, types, corrs, hashes}
+	}
+	if part {
+		claimArgs = append(claimArgs, periods)
 	}
 	conn, err := s.acquire(ctx)
 	if err != nil {
@@ -139,7 +208,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	}
 	t := &batchTx{
 		claimTx: claimTx{s: s, conn: conn, finish: p.FinishTimeout, counted: p.Counted, iso: lvl},
-		ids:     ids, consumer: consumer, sql: s.batchSQL(),
+		ids:     ids, periods: periods, consumer: consumer, sql: s.batchSQL(),
 		claimed: make([]bool, n), countedFirst: make([]bool, n), dropped: make([]bool, n),
 		recs: make([]inbox.AttemptRecord, n),
 	}
@@ -162,7 +231,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 		s.queueTimeouts(b)
 		s.queueClaimLockTimeout(b, false)
 		b.Queue(t.sql.lock, lockKeys).Exec(locked)
-		b.Queue(t.sql.count, countIDs, consumer, countLimit(p.Claims[0].CountLimit)).Query(func(rows pgx.Rows) error {
+		b.Queue(t.sql.count, append(keyArgs(countIDs, countPeriods), countLimit(p.Claims[0].CountLimit))...).Query(func(rows pgx.Rows) error {
 			return scanIDs(rows, func(id string) { t.countedFirst[index[id]] = true })
 		})
 		b.Queue("commit")
@@ -181,7 +250,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	if p.Counted {
 		claimSQL = t.sql.claimCounted
 	}
-	b.Queue(claimSQL, ids, consumer, types, corrs, hashes).Query(func(rows pgx.Rows) error {
+	b.Queue(claimSQL, claimArgs...).Query(func(rows pgx.Rows) error {
 		return scanIDs(rows, func(id string) { t.claimed[index[id]] = true })
 	})
 	if p.Counted {
@@ -216,6 +285,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	}
 	res := make([]inbox.CountedClaimResult, n)
 	var dups []string
+	var dupPeriods []time.Time
 	for k := range ids {
 		res[k].Claimed = t.claimed[k]
 		res[k].Counted = t.countedFirst[k]
@@ -226,6 +296,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 			res[k].Record = t.recs[k]
 		default:
 			dups = append(dups, ids[k])
+			dupPeriods = append(dupPeriods, periods[k])
 		}
 	}
 	t.dirty = lvl != pgx.ReadCommitted
@@ -235,12 +306,12 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 		}
 	}
 	if len(dups) > 0 {
-		rows, err := t.tx.Query(ctx, t.sql.hashes, dups, consumer)
+		rows, err := t.tx.Query(ctx, t.sql.hashes, keyArgs(dups, dupPeriods)...)
 		if err == nil {
 			err = scanRows(rows, func(rows pgx.Rows) error {
 				var id string
 				var h []byte
-				if err := rows.Scan(&id, &h); err != nil {
+				if err := s.scanHash(scanFirst{rows, &id}, &h); err != nil {
 					return err
 				}
 				res[index[id]].StoredPayloadHash = h
@@ -254,6 +325,15 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	}
 	return t, res, nil
 }
+
+// scanFirst is a pgx.Row over a row of two columns whose first goes to id: scanHash scans
+// the second, the payload hash, in the layout's type.
+type scanFirst struct {
+	rows pgx.Rows
+	id   *string
+}
+
+func (r scanFirst) Scan(dest ...any) error { return r.rows.Scan(append([]any{r.id}, dest...)...) }
 
 func strOrNil(s string) *string {
 	if s == "" {
@@ -290,6 +370,7 @@ type batchTx struct {
 	claimTx // the connection, the pgx transaction, the lock and the finish timeout
 
 	ids          []string
+	periods      []time.Time // the members' partition periods (partitioned mode)
 	consumer     string
 	sql          batchSQL
 	claimed      []bool                // the transaction holds the member's claim
@@ -359,11 +440,11 @@ func (t *batchTx) Drop(ctx context.Context, member int, p inbox.FailParams) (int
 		if _, err := t.conn.Exec(dctx, "rollback to savepoint "+savepointName); err != nil {
 			return attempts, fmt.Errorf("drop a member: %w", err)
 		}
-		b.Queue(t.sql.drop, key.MessageID, key.ConsumerName)
+		b.Queue(t.sql.drop, t.dropArgs(member)...)
 		b.Queue("release savepoint " + savepointName)
 		t.savepoint = false
 	case t.conn.Conn().PgConn().TxStatus() != 'E':
-		b.Queue(t.sql.drop, key.MessageID, key.ConsumerName)
+		b.Queue(t.sql.drop, t.dropArgs(member)...)
 	default:
 		return attempts, nil // aborted: the caller rolls the batch back
 	}
@@ -371,6 +452,14 @@ func (t *batchTx) Drop(ctx context.Context, member int, p inbox.FailParams) (int
 		return attempts, fmt.Errorf("drop a member: %w", err)
 	}
 	return attempts, nil
+}
+
+// dropArgs are the parameters of the drop statement for member: its key (and period).
+func (t *batchTx) dropArgs(member int) []any {
+	if t.s.cfg.Partitioning != nil {
+		return []any{t.ids[member], t.consumer, t.periods[member]}
+	}
+	return []any{t.ids[member], t.consumer}
 }
 
 // Commit implements inbox.Tx for the batch: COMMIT and, for counted batches whose keys may
@@ -385,7 +474,11 @@ func (t *batchTx) Commit(ctx context.Context) error {
 		var commitErr error
 		b.Queue("commit").Exec(func(ct pgconn.CommandTag) error { commitTag = ct; return nil })
 		if t.counted && t.dirty {
-			b.Queue(t.sql.clear, t.ids, t.consumer)
+			if t.s.cfg.Partitioning != nil {
+				b.Queue(t.sql.clear, t.ids, t.consumer, t.periods)
+			} else {
+				b.Queue(t.sql.clear, t.ids, t.consumer)
+			}
 		}
 		unlock := t.locked && len(t.pending) == 0
 		if unlock {

@@ -52,15 +52,16 @@ func (s *Store) CheckSchema(ctx context.Context) error {
 	return err
 }
 
-// queryRower is what pending runs on: the pool, or Migrate's transaction.
-type queryRower interface {
+// Querier is what the store's catalog reads run on: *pgxpool.Pool, *pgxpool.Conn, *pgx.Conn
+// or a pgx.Tx (pending runs on the pool or Migrate's transaction).
+type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // pending returns the migrations not recorded as applied, and a *SchemaError when the
 // schema is not current (nil error when it is).
-func (s *Store) pending(ctx context.Context, q queryRower) ([]Migration, error) {
+func (s *Store) pending(ctx context.Context, q Querier) ([]Migration, error) {
 	ms, err := s.Migrations()
 	if err != nil {
 		return nil, err

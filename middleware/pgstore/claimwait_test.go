@@ -140,16 +140,6 @@ func (c claimPath) claim(ctx context.Context, s *pgstore.Store, p inbox.ClaimPar
 	return tx, res.Claimed, err
 }
 
-var everyLayout = []struct {
-	name string
-	cfg  pgstore.Config
-}{
-	{"text", pgstore.Config{}},
-	{"compact", pgstore.Config{Layout: pgstore.LayoutCompact}},
-	{"partitioned", pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}}},
-	{"compact-partitioned", pgstore.Config{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey, Interval: pgstore.PartitionHourly}}},
-}
-
 // TestClaimLockTimeoutOnEveryLayoutAndPath: with the default configuration (ClaimLockTimeout
 // on), on every layout and every claim path, a claim of a key held by an uncommitted claim
 // (of the same path) fails its lock wait with SQLSTATE 55P03 inside the claim statement and

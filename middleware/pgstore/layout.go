@@ -23,10 +23,12 @@ const (
 	// UUID keys (heap and indexes).
 	LayoutText Layout = iota
 	// LayoutCompact stores message_id as the uuid type (16 bytes), the consumer as a smallint
-	// mapped through the table "<table>_consumers", the first 4 bytes of the payload's
-	// SHA-256 as an integer (enough to detect a key reused with another payload; one such
-	// collision in 2^32 goes unnoticed), no message_type or correlation_id, and a BRIN index
-	// on received_at: about 100-115 bytes per row. Choose it only when every key is a UUID in
+	// mapped through the table "<table>_consumers", the first 2 bytes of the payload's
+	// SHA-256 as a smallint (enough to detect a key reused with another payload; one such
+	// reuse in 65,536 goes unnoticed), the time it was received as whole minutes since the
+	// Unix epoch in an integer (column received_minute), no message_type or correlation_id,
+	// and a BRIN index on the time: a row is 24 bytes of data, about 93-105 bytes per row with
+	// its primary-key entry (docs/retention.md). Choose it only when every key is a UUID in
 	// canonical lowercase form (36 characters, as watermill.NewUUID and google/uuid write
 	// them): any other key is refused with an error wrapping ErrKeyNotUUID, which the inbox
 	// treats as an invalid key (dead-lettered; a flood is braked). Other spellings of a UUID
@@ -293,29 +295,73 @@ func hexVal(c byte) byte {
 	return c - '0'
 }
 
+// CompactHashBytes is how many leading bytes of the payload's SHA-256 the compact layout
+// keeps (a smallint, big-endian): ClaimResult.StoredPayloadHash is that long there.
+const CompactHashBytes = 2
+
 // hashArg is the payload hash as the claim stores it: the whole hash (text layout), or its
-// first 4 bytes as a big-endian signed integer (compact layout; NULL when shorter).
+// first 2 bytes as a big-endian signed smallint (compact layout; NULL when shorter).
 func (s *Store) hashArg(h []byte) any {
 	if s.cfg.Layout != LayoutCompact {
 		return h
 	}
-	if len(h) < 4 {
-		return nil
-	}
-	return int32(binary.BigEndian.Uint32(h))
+	return compactHash(h)
 }
 
-// hashScanner scans the stored payload hash into dst, as bytes (4 bytes in the compact layout).
+// compactHash is the compact layout's payload_hash of the SHA-256 h: its first
+// CompactHashBytes bytes as a big-endian int16, or nil when h is shorter.
+func compactHash(h []byte) *int16 {
+	if len(h) < CompactHashBytes {
+		return nil
+	}
+	v := int16(binary.BigEndian.Uint16(h))
+	return &v
+}
+
+// scanHash scans the stored payload hash into dst, as bytes (CompactHashBytes bytes in the
+// compact layout).
 func (s *Store) scanHash(row pgx.Row, dst *[]byte) error {
 	if s.cfg.Layout != LayoutCompact {
 		return row.Scan(dst)
 	}
-	var v *int32
+	var v *int16
 	if err := row.Scan(&v); err != nil || v == nil {
 		return err
 	}
-	*dst = binary.BigEndian.AppendUint32(nil, uint32(*v))
+	*dst = binary.BigEndian.AppendUint16(nil, uint16(*v))
 	return nil
+}
+
+// receivedColumn is the inbox table's time column: received_at (timestamptz) in the text
+// layout, received_minute (integer, whole minutes since 1970-01-01 UTC) in the compact one.
+// Purge and stats order and filter by it, so its index serves them.
+func (s *Store) receivedColumn() string {
+	if s.cfg.Layout == LayoutCompact {
+		return "received_minute"
+	}
+	return "received_at"
+}
+
+// receivedBefore is the predicate "received before the timestamptz in param" on the time
+// column itself, so its index serves it. In the compact layout a row's minute must end at or
+// before param's minute begins: a row is never purged before its time, at most a minute after.
+func (s *Store) receivedBefore(param string) string {
+	if s.cfg.Layout == LayoutCompact {
+		return "received_minute < floor(extract(epoch FROM " + param + "::timestamptz) / 60)::integer"
+	}
+	return "received_at < " + param
+}
+
+// ReceivedAtSQL returns the SQL expression (a timestamptz) for the time a row of the inbox
+// table was received, over its unqualified column: "received_at" in the text layout; in the
+// compact layout the start of the minute received_minute holds,
+// "to_timestamp(received_minute * 60::float8)". For readers of the table outside this
+// package (inboxmetrics).
+func (s *Store) ReceivedAtSQL() string {
+	if s.cfg.Layout == LayoutCompact {
+		return "to_timestamp(received_minute * 60::float8)"
+	}
+	return "received_at"
 }
 
 // keyArgs returns the parameters $1, $2 (and $3, the period, when partitioned) of the key
@@ -364,8 +410,15 @@ func (s *Store) registerConsumer(ctx context.Context, name string) error {
 	if _, ok := s.registered.Load(name); ok {
 		return nil
 	}
-	_, err := s.pool.Exec(ctx, "INSERT INTO "+s.consumers+" (consumer_name) SELECT $1::text"+
+	// Through acquire, so that a pool with every connection in use gives the claim's error
+	// (ErrWaitingForConnection) here too.
+	conn, err := s.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = conn.Exec(ctx, "INSERT INTO "+s.consumers+" (consumer_name) SELECT $1::text"+
 		" WHERE NOT EXISTS (SELECT 1 FROM "+s.consumers+" WHERE consumer_name = $1::text) ON CONFLICT (consumer_name) DO NOTHING", name)
+	conn.Release()
 	if err != nil {
 		return fmt.Errorf("register consumer name: %w", err)
 	}

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -72,6 +73,14 @@ func (u uuidKeys) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) 
 	return u.Store.ClaimCounted(ctx, p)
 }
 
+func (u uuidKeys) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
+	p.Claims = slices.Clone(p.Claims)
+	for k := range p.Claims {
+		p.Claims[k].Key, p.Claims[k].ProducerTime = u.key(p.Claims[k].Key), u.at
+	}
+	return u.Store.ClaimBatch(ctx, p)
+}
+
 func (u uuidKeys) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int, error) {
 	p.Key = u.key(p.Key)
 	return u.Store.AdjustAttempts(ctx, p)
@@ -87,9 +96,9 @@ func (u uuidKeys) Replay(ctx context.Context, p inbox.AttemptParams) (bool, erro
 	return u.Store.Replay(ctx, p)
 }
 
-// TestConformanceLayouts runs the storetest suite on every new layout and mode: the compact
-// layout, partitioned by the timestamp of UUIDv7 keys (text layout), and compact partitioned
-// by a producer time the claim carries.
+// TestConformanceLayouts runs the storetest suite, its group-commit cases (Batch/...)
+// included, on every new layout and mode: the compact layout, partitioned by the timestamp of
+// UUIDv7 keys (text layout), and compact partitioned by a producer time the claim carries.
 func TestConformanceLayouts(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -531,7 +540,7 @@ func TestLayoutMigrationSQL(t *testing.T) {
 		}
 		for _, id := range ids {
 			tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
-			if err != nil || res.Claimed || tx != nil || !strings.HasPrefix(string(hash[:]), string(res.StoredPayloadHash)) || len(res.StoredPayloadHash) < 4 {
+			if err != nil || res.Claimed || tx != nil || !strings.HasPrefix(string(hash[:]), string(res.StoredPayloadHash)) || len(res.StoredPayloadHash) < pgstore.CompactHashBytes {
 				t.Fatalf("converted %+v: claim of an old message: %+v, %v; want a duplicate with its hash", to, res, err)
 			}
 		}
@@ -623,5 +632,110 @@ func TestPartitionMaintenanceDoesNotBlockClaims(t *testing.T) {
 	var gone bool
 	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), to_regclass($1) IS NULL", sch.Name+".inbox_processed_messages_p"+old.Format("20060102")).Scan(&rows, &gone); err != nil || rows != 2 || !gone {
 		t.Fatalf("after: %d rows (want 2), old partition gone %v, err %v", rows, gone, err)
+	}
+}
+
+// TestMigrationCompactRowV2: a compact table created before migration 0003 (received_at
+// timestamptz, a 4-byte hash prefix), holding rows, plain and partitioned, is converted by
+// Migrate in place: every row is still there, each old message is still caught as a
+// duplicate with the first 2 bytes of its hash (another payload under its key is still told
+// apart), the time received is kept to the minute (Stats), a row takes 24 bytes of data
+// (plus 8 for the period when partitioned), new claims work, and a second Migrate does nothing.
+func TestMigrationCompactRowV2(t *testing.T) {
+	ctx := context.Background()
+	for _, cfg := range []pgstore.Config{
+		{Layout: pgstore.LayoutCompact},
+		{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+	} {
+		sch := testenv.NewSchema(t, 2)
+		cfg.Schema = sch.Name
+		s, err := pgstore.New(sch.Pool, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The first version: the printed script up to migration 0003.
+		script, err := s.MigrationSQL()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cut := strings.Index(script, "\n-- 0003_")
+		if cut < 0 {
+			t.Fatalf("no migration 0003 in the script:\n%s", script)
+		}
+		sch.Exec(t, script[:cut]+"\nCOMMIT;")
+		now := time.Now()
+		if cfg.Partitioning != nil {
+			if _, err := s.EnsurePartitions(ctx, now, now); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var consumer int16
+		if err := sch.Pool.QueryRow(ctx, "INSERT INTO "+s.ConsumersTable()+" (consumer_name) VALUES ('billing') RETURNING consumer_id").Scan(&consumer); err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		hashOf := func(i int) [32]byte { return sha256.Sum256([]byte("payload-" + string(rune('a'+i)))) }
+		for i := range 3 {
+			id := uuid7("v1-"+string(rune('a'+i)), now)
+			ids = append(ids, id)
+			h := hashOf(i)
+			cols, vals, args := "message_id, consumer_id, payload_hash, received_at", "$1::uuid, $2, $3, now() - $4::interval", []any{id, consumer, int32(binary.BigEndian.Uint32(h[:4])), []string{"5 hours", "1 hour", "0 seconds"}[i]}
+			if cfg.Partitioning != nil {
+				cols, vals, args = cols+", period", vals+", $5", append(args, pgstore.PeriodOf(now, pgstore.PartitionDaily))
+			}
+			sch.Exec(t, "INSERT INTO "+s.Table()+" ("+cols+") VALUES ("+vals+")", args...)
+		}
+		applied, err := s.Migrate(ctx)
+		if err != nil || len(applied) != 1 || applied[0] != 3 {
+			t.Fatalf("Migrate over a first-version compact table: applied %v, %v; want [3]", applied, err)
+		}
+		var rows, width int
+		if err := sch.Pool.QueryRow(ctx, "SELECT count(*), max(pg_column_size(t.*)) FROM "+s.Table()+" t").Scan(&rows, &width); err != nil {
+			t.Fatal(err)
+		}
+		wantWidth := 24 + 24 // tuple header, data
+		if cfg.Partitioning != nil {
+			wantWidth += 8
+		}
+		if rows != 3 || width != wantWidth {
+			t.Fatalf("after 0003: %d rows of %d bytes; want 3 of %d", rows, width, wantWidth)
+		}
+		for i, id := range ids {
+			h := hashOf(i)
+			tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: h[:]})
+			if err != nil || res.Claimed || tx != nil || string(res.StoredPayloadHash) != string(h[:pgstore.CompactHashBytes]) {
+				t.Fatalf("old message %d after 0003: %+v, %v; want a duplicate with hash %x", i, res, err, h[:pgstore.CompactHashBytes])
+			}
+			other := hashOf(i + 1)
+			if string(other[:2]) == string(h[:2]) {
+				t.Fatalf("test payloads %d and %d share a 2-byte prefix: pick others", i, i+1)
+			}
+			if strings.HasPrefix(string(other[:]), string(res.StoredPayloadHash)) {
+				t.Fatalf("another payload under key %d would not be told apart", i)
+			}
+		}
+		st, err := s.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Rows != 3 || st.Oldest == nil || st.Newest == nil ||
+			time.Since(*st.Oldest) < 5*time.Hour-time.Minute || time.Since(*st.Oldest) > 5*time.Hour+2*time.Minute ||
+			time.Since(*st.Newest) > 2*time.Minute {
+			t.Fatalf("stats after 0003: %d rows, oldest %v, newest %v; want 3, about 5 hours ago and now", st.Rows, st.Oldest, st.Newest)
+		}
+		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("v2-new", now), ConsumerName: "billing"}})
+		if err != nil || !res.Claimed {
+			t.Fatalf("new claim after 0003: %+v %v", res, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		var recent bool
+		if err := sch.Pool.QueryRow(ctx, "SELECT abs(received_minute - floor(extract(epoch FROM now()) / 60)) <= 1 FROM "+s.Table()+" WHERE message_id = $1::uuid", uuid7("v2-new", now)).Scan(&recent); err != nil || !recent {
+			t.Fatalf("the new row's received_minute is not this minute (%v, %v)", recent, err)
+		}
+		if again, err := s.Migrate(ctx); err != nil || len(again) != 0 {
+			t.Fatalf("second Migrate: %v, %v", again, err)
+		}
 	}
 }

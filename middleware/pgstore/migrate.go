@@ -37,6 +37,7 @@ type Migration struct {
 
 type migrationNames struct {
 	Table             string
+	TableLiteral      string // Table as a SQL string literal, for ::regclass
 	ReceivedAtIndex   string
 	Attempts          string
 	AttemptsDeadIndex string
@@ -54,6 +55,7 @@ func (s *Store) Migrations() ([]Migration, error) {
 	}
 	names := migrationNames{
 		Table:             s.table,
+		TableLiteral:      quoteLiteral(s.table),
 		ReceivedAtIndex:   pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
 		Attempts:          s.attempts,
 		AttemptsDeadIndex: pgx.Identifier{s.cfg.Table + "_dead_idx"}.Sanitize(),
@@ -220,11 +222,13 @@ func MigrationSQL(cfg Config) (string, error) {
 
 // verifyKey checks that the inbox table has the configured layout: a unique index on exactly
 // its key columns ((message_id, consumer_name) in the text layout, (message_id, consumer_id)
-// in the compact one, plus period when partitioned), message_id of the layout's type, and
-// partitioned exactly when the store is. CREATE TABLE IF NOT EXISTS adopts an existing table
-// of that name whatever its shape, and the claim's ON CONFLICT needs that index (without it
-// every claim fails with SQLSTATE 42P10). A table of another layout gets an error wrapping
-// inbox.ErrInvalidConfig that points to the conversion script (LayoutMigrationSQL).
+// in the compact one, plus period when partitioned), message_id of the layout's type,
+// partitioned exactly when the store is, and the layout's time column (received_at
+// timestamptz in the text layout, received_minute integer in the compact one since migration
+// 0003). CREATE TABLE IF NOT EXISTS adopts an existing table of that name whatever its shape,
+// and the claim's ON CONFLICT needs that index (without it every claim fails with SQLSTATE
+// 42P10). A table of another layout gets an error wrapping inbox.ErrInvalidConfig that points
+// to the conversion (LayoutMigrationSQL, `watermill-inbox layout convert`).
 func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
 	want := []string{"consumer_name", "message_id"}
 	typ := "text"
@@ -234,8 +238,12 @@ func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
 	if s.cfg.Partitioning != nil {
 		want = append(want, "period")
 	}
+	recvType := "timestamp with time zone"
+	if s.cfg.Layout == LayoutCompact {
+		recvType = "integer"
+	}
 	var ok, partitioned bool
-	var idType *string
+	var idType, recv *string
 	err := tx.QueryRow(ctx, `
 		SELECT EXISTS (
 			SELECT 1 FROM pg_index i
@@ -245,17 +253,18 @@ func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {
 			       WHERE a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey::int2[]))
 			      = $2::name[]),
 		       (SELECT relkind = 'p' FROM pg_class WHERE oid = $1::regclass),
-		       (SELECT format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'message_id')`,
-		s.table, want).Scan(&ok, &partitioned, &idType)
+		       (SELECT format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'message_id'),
+		       (SELECT format_type(atttypid, NULL) FROM pg_attribute WHERE attrelid = $1::regclass AND attname = $3 AND NOT attisdropped)`,
+		s.table, want, s.receivedColumn()).Scan(&ok, &partitioned, &idType, &recv)
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: verify the inbox key: %w", err)
 	}
-	if !ok || idType == nil || *idType != typ || partitioned != (s.cfg.Partitioning != nil) {
+	if !ok || idType == nil || *idType != typ || partitioned != (s.cfg.Partitioning != nil) || recv == nil || *recv != recvType {
 		have := "a plain table"
 		if partitioned {
 			have = "a partitioned table"
 		}
-		return fmt.Errorf("%w: pgstore: table %s (%s, message_id %s) does not have the configured layout (%s, partitioned %v: a unique key on %v); it was created by other settings or other software. Convert it explicitly (pgstore.LayoutMigrationSQL, docs/retention.md), or configure the layout it has",
+		return fmt.Errorf("%w: pgstore: table %s (%s, message_id %s) does not have the configured layout (%s, partitioned %v: a unique key on %v); it was created by other settings or other software. Convert it explicitly (`watermill-inbox layout convert`, pgstore.LayoutMigrationSQL; docs/retention.md), or configure the layout it has",
 			inbox.ErrInvalidConfig, s.table, have, deref(idType), s.cfg.Layout, s.cfg.Partitioning != nil, want)
 	}
 	return nil

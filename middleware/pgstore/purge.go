@@ -291,12 +291,11 @@ func (s *Store) PurgeExpired(ctx context.Context, p PurgeExpiredParams) (PurgeRe
 // purgeInboxBatch deletes at most limit processed rows received before cutoff, oldest first
 // (the received_at index), in one statement.
 func (s *Store) purgeInboxBatch(ctx context.Context, c *pgxpool.Conn, cutoff time.Time, limit int) (int64, error) {
-	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table +
-		" WHERE received_at < $1 ORDER BY received_at LIMIT $2))"
+	where := " WHERE " + s.receivedBefore("$1") + " ORDER BY " + s.receivedColumn() + " LIMIT $2"
+	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table + where + "))"
 	if s.cfg.Partitioning != nil {
 		// A ctid is unique only within one partition: name the partition too.
-		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table +
-			" WHERE received_at < $1 ORDER BY received_at LIMIT $2)"
+		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table + where + ")"
 	}
 	tag, err := c.Exec(ctx, q, cutoff, limit)
 	return tag.RowsAffected(), err
@@ -304,7 +303,7 @@ func (s *Store) purgeInboxBatch(ctx context.Context, c *pgxpool.Conn, cutoff tim
 
 func (s *Store) countExpiredInbox(ctx context.Context, c *pgxpool.Conn, cutoff time.Time) (int64, error) {
 	var n int64
-	err := c.QueryRow(ctx, "SELECT count(*) FROM "+s.table+" WHERE received_at < $1", cutoff).Scan(&n)
+	err := c.QueryRow(ctx, "SELECT count(*) FROM "+s.table+" WHERE "+s.receivedBefore("$1"), cutoff).Scan(&n)
 	return n, err
 }
 

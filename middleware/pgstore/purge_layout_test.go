@@ -2,11 +2,13 @@ package pgstore_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -51,16 +53,33 @@ func TestPurgeExpiredAndStatsOnEveryLayout(t *testing.T) {
 					recent = append(recent, id.String())
 				}
 			}
-			// Age the first 20 past the 2-hour window (received_at is not the partition key).
-			if _, err := sch.Pool.Exec(ctx, "UPDATE "+s.Table()+" SET received_at = now() - interval '3 hours' WHERE message_id::text = ANY($1)", old); err != nil {
-				t.Fatal(err)
+			// Age the first 20 past the 2-hour window (received_at is not the partition key),
+			// and two recent ones to 30 seconds inside it: the compact layout's minutes must
+			// not purge them early.
+			age := func(ids []string, by string) {
+				t.Helper()
+				set := "received_at = now() - $2::interval"
+				if cfg.Layout == pgstore.LayoutCompact {
+					set = "received_minute = floor(extract(epoch FROM now() - $2::interval) / 60)::integer"
+				}
+				if _, err := sch.Pool.Exec(ctx, "UPDATE "+s.Table()+" SET "+set+" WHERE message_id::text = ANY($1)", ids, by); err != nil {
+					t.Fatal(err)
+				}
 			}
+			age(old, "3 hours")
+			age(recent[:2], "1 hour 59 minutes 30 seconds")
 			st, err := s.Stats(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if st.Rows != 30 || st.PerConsumer["billing"] != 15 || st.PerConsumer["ledger"] != 15 {
 				t.Fatalf("stats before: rows %d, per consumer %v; want 30, 15 each", st.Rows, st.PerConsumer)
+			}
+			// Oldest and newest, to the minute in the compact layout.
+			if st.Oldest == nil || st.Newest == nil ||
+				time.Since(*st.Oldest) < 3*time.Hour-time.Minute || time.Since(*st.Oldest) > 3*time.Hour+2*time.Minute ||
+				time.Since(*st.Newest) < -time.Minute || time.Since(*st.Newest) > 2*time.Minute {
+				t.Fatalf("stats before: oldest %v, newest %v; want about 3 hours ago and now", st.Oldest, st.Newest)
 			}
 			rep, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{BatchSize: 3, Pause: -1})
 			if err != nil {
@@ -97,23 +116,74 @@ func TestPurgeExpiredAndStatsOnEveryLayout(t *testing.T) {
 	}
 }
 
-// TestBatchedInboxRefusedOnOtherLayouts: group commit's batch claim is written for the default
-// layout, so a batched inbox on the compact layout or a partitioned table is refused when it is
-// built (inbox.ErrInvalidConfig wrapping pgstore.ErrBatchLayout), never at the first delivery.
-func TestBatchedInboxRefusedOnOtherLayouts(t *testing.T) {
+// TestBatchedInboxOnEveryLayout: group commit's batch claim works on the compact layout and on
+// partitioned tables: a batched inbox is built on each, a batch of new messages and copies of
+// them applies each message once (balances, inbox rows), and a copy of a message whose key
+// was reused with another payload is told apart (a collision, not run).
+func TestBatchedInboxOnEveryLayout(t *testing.T) {
+	ctx := context.Background()
 	for _, cfg := range []pgstore.Config{
 		{Layout: pgstore.LayoutCompact},
 		{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
+		{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{Interval: pgstore.PartitionHourly, ProducerTime: pgstore.ProducerTimeFromKey}},
 	} {
-		s, _ := layoutStore(t, 2, cfg)
-		_, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", Batch: inbox.BatchConfig{Size: 8}}, nil)
-		if !errors.Is(err, inbox.ErrInvalidConfig) || !errors.Is(err, pgstore.ErrBatchLayout) {
-			t.Errorf("layout %v, partitioned %v: inbox.New = %v; want ErrInvalidConfig and ErrBatchLayout", cfg.Layout, cfg.Partitioning != nil, err)
+		s, sch := layoutStore(t, 10, cfg)
+		sch.CreateAccounts(t, 2)
+		var collisions atomic.Int64
+		ib, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", Batch: inbox.BatchConfig{Size: 8, Linger: 300 * time.Millisecond},
+			OnKeyCollision: inbox.CollisionSkip, Observer: inbox.ObserverFunc(func(_ context.Context, r inbox.Result) {
+				if r.Outcome == inbox.OutcomeCollision {
+					collisions.Add(1)
+				}
+			})}, nil)
+		if err != nil {
+			t.Fatalf("layout %v, partitioned %v: inbox.New with a batch: %v", cfg.Layout, cfg.Partitioning != nil, err)
 		}
-	}
-	s, _ := layoutStore(t, 2, pgstore.Config{})
-	if _, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", Batch: inbox.BatchConfig{Size: 8}}, nil); err != nil {
-		t.Errorf("the default layout: %v", err)
+		var runs atomic.Int64
+		h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			tx, _ := pgstore.TxFromContext(msg.Context())
+			_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + $1 WHERE id = 1", len(msg.Payload))
+			return nil, err
+		})
+		deliver := func(msgs ...*message.Message) {
+			t.Helper()
+			var wg sync.WaitGroup
+			errs := make([]error, len(msgs))
+			for k, m := range msgs {
+				wg.Go(func() { _, errs[k] = h(m) })
+			}
+			wg.Wait()
+			for k, err := range errs {
+				if err != nil {
+					t.Fatalf("layout %v, partitioned %v: delivery %d: %v", cfg.Layout, cfg.Partitioning != nil, k, err)
+				}
+			}
+		}
+		var ids []string
+		var msgs []*message.Message
+		for k := range 4 {
+			id, err := uuid.NewV7()
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids = append(ids, id.String())
+			msgs = append(msgs, message.NewMessage(id.String(), make([]byte, 1<<k))) // 1, 2, 4, 8 bytes
+		}
+		deliver(msgs...)
+		// Copies of all four, one with another payload under its key.
+		copies := []*message.Message{message.NewMessage(ids[0], make([]byte, 1)), message.NewMessage(ids[1], make([]byte, 2)),
+			message.NewMessage(ids[2], make([]byte, 4)), message.NewMessage(ids[3], []byte("another payload"))}
+		deliver(copies...)
+		var balance int64
+		var rows int
+		if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT balance FROM accounts WHERE id = 1), (SELECT count(*) FROM "+s.Table()+")").Scan(&balance, &rows); err != nil {
+			t.Fatal(err)
+		}
+		if balance != 15 || rows != 4 || runs.Load() != 4 || collisions.Load() != 1 {
+			t.Fatalf("layout %v, partitioned %v: balance %d (want 15), %d inbox rows (want 4), %d runs (want 4), %d collisions (want 1)",
+				cfg.Layout, cfg.Partitioning != nil, balance, rows, runs.Load(), collisions.Load())
+		}
 	}
 }
 

@@ -23,7 +23,9 @@ type TableStats struct {
 	// BytesPerRow is (HeapBytes + IndexBytes) / Rows; 0 for an empty table. Dead tuples not
 	// yet vacuumed count in the bytes: VACUUM first for a fair figure.
 	BytesPerRow float64 `json:"bytes_per_row"`
-	// Oldest and Newest are the least and greatest received_at; nil for an empty table.
+	// Oldest and Newest are the least and greatest time a row was received (in the compact
+	// layout, to the minute: the start of the minute received_minute holds); nil for an
+	// empty table.
 	Oldest *time.Time `json:"oldest,omitempty"`
 	Newest *time.Time `json:"newest,omitempty"`
 	// PerConsumer counts processed rows by consumer name.
@@ -55,8 +57,9 @@ func (s *Store) Stats(ctx context.Context) (TableStats, error) {
 	}
 	perConsumer := "SELECT consumer_name, count(*), min(received_at), max(received_at) FROM " + s.table + " GROUP BY consumer_name"
 	if s.cfg.Layout == LayoutCompact {
-		// The compact layout keeps a smallint per row; the names are in the consumers table.
-		perConsumer = "SELECT c.consumer_name, count(*), min(t.received_at), max(t.received_at) FROM " + s.table +
+		// The compact layout keeps a smallint per row (the names are in the consumers table)
+		// and the minute it was received.
+		perConsumer = "SELECT c.consumer_name, count(*), to_timestamp(min(t.received_minute) * 60::float8), to_timestamp(max(t.received_minute) * 60::float8) FROM " + s.table +
 			" t JOIN " + s.consumers + " c USING (consumer_id) GROUP BY c.consumer_name"
 	}
 	rows, err := s.pool.Query(ctx, perConsumer)

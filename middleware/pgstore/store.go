@@ -623,8 +623,8 @@ func (s *Store) Replay(ctx context.Context, p inbox.AttemptParams) (bool, error)
 	return tag.RowsAffected() == 1, nil
 }
 
-// Purge implements inbox.Purger: it deletes processed rows whose received_at is before
-// p.Before, p.BatchSize rows per transaction (default DefaultPurgeBatchSize), oldest first,
+// Purge implements inbox.Purger: it deletes processed rows received before p.Before (in the
+// compact layout: whose whole minute of received_minute is before it), p.BatchSize rows per transaction (default DefaultPurgeBatchSize), oldest first,
 // until a batch deletes fewer rows than its size or ctx ends. It uses the received_at index.
 func (s *Store) Purge(ctx context.Context, p inbox.PurgeParams) (inbox.PurgeResult, error) {
 	var res inbox.PurgeResult
@@ -632,12 +632,11 @@ func (s *Store) Purge(ctx context.Context, p inbox.PurgeParams) (inbox.PurgeResu
 	if size <= 0 {
 		size = DefaultPurgeBatchSize
 	}
-	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table +
-		" WHERE received_at < $1 AND ($2::text IS NULL OR " + s.consumerMatch("$2") + ") ORDER BY received_at LIMIT $3))"
+	where := " WHERE " + s.receivedBefore("$1") + " AND ($2::text IS NULL OR " + s.consumerMatch("$2") + ") ORDER BY " + s.receivedColumn() + " LIMIT $3"
+	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table + where + "))"
 	if s.cfg.Partitioning != nil {
 		// A ctid is unique only within one partition: name the partition too.
-		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table +
-			" WHERE received_at < $1 AND ($2::text IS NULL OR " + s.consumerMatch("$2") + ") ORDER BY received_at LIMIT $3)"
+		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table + where + ")"
 	}
 	for {
 		tag, err := s.pool.Exec(ctx, q, p.Before, nullIfEmpty(p.ConsumerName), size)
