@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"time"
 
@@ -53,7 +54,7 @@ func (f *deferredFlags) open(cmd *cobra.Command) (*deferred.Inbox, *pgxpool.Pool
 	}
 	url := f.url()
 	if url == "" {
-		return nil, nil, fmt.Errorf("no database URL: pass --database-url or set INBOX_DATABASE_URL")
+		return nil, nil, usageError{errors.New("no database URL: pass --database-url or set INBOX_DATABASE_URL")}
 	}
 	pool, err := pgxpool.New(cmd.Context(), url)
 	if err != nil {

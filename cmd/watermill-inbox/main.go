@@ -149,7 +149,7 @@ func migrateCmd() *cobra.Command {
 			}
 			url := f.url()
 			if url == "" {
-				return fmt.Errorf("no database URL: pass --database-url or set INBOX_DATABASE_URL")
+				return usageError{errors.New("no database URL: pass --database-url or set INBOX_DATABASE_URL")}
 			}
 			pool, err := pgxpool.New(cmd.Context(), url)
 			if err != nil {

@@ -17,8 +17,9 @@ import (
 )
 
 // partitionsCmd is `watermill-inbox partitions list|ensure|drop`, the operator's view of a
-// partitioned inbox table (pgstore.Config.Partitioning). Exit status 0 on success, 1 on any
-// error (bad flags, no database, a table that is not partitioned), printed to standard error.
+// partitioned inbox table (pgstore.Config.Partitioning). Exit status 0 on success, 2 on a
+// usage error (bad flags, no database URL, an unreadable URL), 1 on any other error (the
+// database unreachable, a table that is not partitioned), printed to standard error.
 func partitionsCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "partitions",
@@ -28,7 +29,7 @@ func partitionsCmd() *cobra.Command {
 			"is safe beside a running PartitionManager. See docs/retention.md.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return errors.New("name a subcommand: list, ensure or drop")
+			return usageError{errors.New("name a subcommand: list, ensure or drop")}
 		},
 	}
 	cmd.AddCommand(partitionsListCmd(), partitionsEnsureCmd(), partitionsDropCmd())
@@ -56,7 +57,7 @@ func (f *partitionFlags) open(ctx context.Context) (*pgstore.Store, *pgxpool.Poo
 	case "hourly":
 		interval = pgstore.PartitionHourly
 	default:
-		return nil, nil, fmt.Errorf("--interval %q: want daily or hourly", f.interval)
+		return nil, nil, usageError{fmt.Errorf("--interval %q: want daily or hourly", f.interval)}
 	}
 	cfg := pgstore.Config{Schema: f.schema, Table: f.table,
 		// Maintenance claims nothing: the producer-time source does not matter here.
@@ -66,11 +67,11 @@ func (f *partitionFlags) open(ctx context.Context) (*pgstore.Store, *pgxpool.Poo
 	}
 	raw := f.url()
 	if raw == "" {
-		return nil, nil, errors.New("no database URL: pass --database-url or set INBOX_DATABASE_URL")
+		return nil, nil, usageError{errors.New("no database URL: pass --database-url or set INBOX_DATABASE_URL")}
 	}
 	pcfg, err := pgxpool.ParseConfig(raw)
 	if err != nil {
-		return nil, nil, fmt.Errorf("database URL %s: not a valid PostgreSQL URL", redactURL(raw))
+		return nil, nil, usageError{fmt.Errorf("database URL %s: not a valid PostgreSQL URL", redactURL(raw))}
 	}
 	pcfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
@@ -126,7 +127,7 @@ func parseAge(flag, v string) (time.Duration, error) {
 	} else if d, err := time.ParseDuration(v); err == nil && d >= 0 {
 		return d, nil
 	}
-	return 0, fmt.Errorf("--%s %q: want a duration such as 14d, 36h or 90m", flag, v)
+	return 0, usageError{fmt.Errorf("--%s %q: want a duration such as 14d, 36h or 90m", flag, v)}
 }
 
 func printPartitions(cmd *cobra.Command, parts []pgstore.Partition) {
@@ -229,14 +230,14 @@ func partitionsDropCmd() *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if olderThan == "" {
-				return errors.New("--older-than is required (the retention window, e.g. 14d)")
+				return usageError{errors.New("--older-than is required (the retention window, e.g. 14d)")}
 			}
 			d, err := parseAge("older-than", olderThan)
 			if err != nil {
 				return err
 			}
 			if d < time.Hour {
-				return fmt.Errorf("--older-than %s: refusing less than 1h; it must be at least the retention window", olderThan)
+				return usageError{fmt.Errorf("--older-than %s: refusing less than 1h; it must be at least the retention window", olderThan)}
 			}
 			s, pool, err := f.open(cmd.Context())
 			if err != nil {

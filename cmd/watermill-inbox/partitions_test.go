@@ -107,29 +107,33 @@ func TestPartitionsCommands(t *testing.T) {
 }
 
 // TestPartitionsBadInput: bad flags, a table that is not partitioned, a missing or unusable
-// database URL each give a clear error (and the binary exits 1); a password never appears.
+// database URL each give a clear error and their exit status (2 for a usage error, 1 for an
+// unreachable database, as the binary exits); a password never appears.
 func TestPartitionsBadInput(t *testing.T) {
 	t.Setenv("INBOX_DATABASE_URL", "")
 	t.Setenv("DATABASE_URL", "")
 	for _, tc := range []struct {
 		args []string
+		code int
 		want string
 	}{
-		{[]string{"partitions", "drop"}, "--older-than is required"},
-		{[]string{"partitions", "drop", "--older-than", "fortnight"}, `--older-than "fortnight"`},
-		{[]string{"partitions", "drop", "--older-than", "10m"}, "refusing less than 1h"},
-		{[]string{"partitions", "list", "--interval", "weekly"}, "want daily or hourly"},
-		{[]string{"partitions", "ensure", "--lead", "-3h"}, "--lead"},
-		{[]string{"partitions", "list", "--table", `x"; DROP TABLE y`}, "invalid configuration"},
-		{[]string{"partitions", "list"}, "no database URL"},
-		{[]string{"partitions", "list", "--bogus"}, "unknown flag"},
-		{[]string{"partitions"}, "name a subcommand"},
-		{[]string{"partitions", "list", "--database-url", "postgres://ops:s3cret@127.0.0.1:1/none?connect_timeout=2"}, "connect to postgres://ops:xxxxx@127.0.0.1:1/none"},
-		{[]string{"partitions", "list", "--database-url", "postgres://ops:s3cret@[::1/none"}, "not a valid PostgreSQL URL"},
+		{[]string{"partitions", "drop"}, exitUsage, "--older-than is required"},
+		{[]string{"partitions", "drop", "--older-than", "fortnight"}, exitUsage, `--older-than "fortnight"`},
+		{[]string{"partitions", "drop", "--older-than", "10m"}, exitUsage, "refusing less than 1h"},
+		{[]string{"partitions", "list", "--interval", "weekly"}, exitUsage, "want daily or hourly"},
+		{[]string{"partitions", "ensure", "--lead", "-3h"}, exitUsage, "--lead"},
+		{[]string{"partitions", "list", "--table", `x"; DROP TABLE y`}, exitUsage, "invalid configuration"},
+		{[]string{"partitions", "list"}, exitUsage, "no database URL"},
+		{[]string{"partitions", "list", "--bogus"}, exitUsage, "unknown flag"},
+		{[]string{"partitions"}, exitUsage, "name a subcommand"},
+		{[]string{"partitions", "list", "--database-url", "postgres://ops:s3cret@127.0.0.1:1/none?connect_timeout=2"}, exitError, "connect to postgres://ops:xxxxx@127.0.0.1:1/none"},
+		{[]string{"partitions", "list", "--database-url", "postgres://ops:s3cret@[::1/none"}, exitUsage, "not a valid PostgreSQL URL"},
+		{[]string{"migrate"}, exitUsage, "no database URL"},
+		{[]string{"deferred", "stats", "--consumer", "billing"}, exitUsage, "no database URL"},
 	} {
 		out, err := run(t, tc.args...)
-		if err == nil || !strings.Contains(out, tc.want) || strings.Contains(out, "s3cret") {
-			t.Errorf("%v: err %v, output:\n%s\nwant an error containing %q and no password", tc.args, err, out, tc.want)
+		if err == nil || exitCode(err) != tc.code || !strings.Contains(out, tc.want) || strings.Contains(out, "s3cret") {
+			t.Errorf("%v: exit %d, err %v, output:\n%s\nwant exit %d, an error containing %q and no password", tc.args, exitCode(err), err, out, tc.code, tc.want)
 		}
 	}
 	sch := testenv.NewSchema(t, 1)
