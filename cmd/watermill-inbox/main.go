@@ -6,6 +6,7 @@
 //	watermill-inbox migrate --outbox         # also the outbox tables (topic inbox_outbox)
 //	watermill-inbox deferred migrate         # the store-then-process table (see deferred.go)
 //	watermill-inbox deferred replay --consumer billing --status dead
+//	watermill-inbox deferred purge --consumer billing --window 14d [--dry-run]
 //	watermill-inbox grants --role app --outbox   # the application role's GRANT statements
 //	watermill-inbox --version
 //
@@ -20,7 +21,8 @@
 // success, 1 on an error while running (the database refused, a key is not dead-lettered), 2
 // on a usage error (an unknown flag or command, a bad flag value, no database URL, an invalid
 // name, a retention window shorter than the declared redelivery window plus margin), 3 when
-// purge found another purge of the same table running (nothing was done; try again later).
+// purge (or deferred purge) found another purge of the same table (and consumer) running
+// (nothing was done; try again later).
 package main
 
 import (
