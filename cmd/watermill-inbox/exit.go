@@ -15,7 +15,7 @@ const (
 	exitOK    = 0
 	exitError = 1 // an error while running
 	exitUsage = 2 // bad flags, arguments or configuration, reported before any change
-	exitBusy  = 3 // purge, deferred purge: another purge of the table holds the purge lock
+	exitBusy  = 3 // purge: another purge of the table holds the purge lock
 )
 
 // usageError marks an error as the caller's: exit status 2.

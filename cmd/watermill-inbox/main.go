@@ -21,8 +21,7 @@
 // success, 1 on an error while running (the database refused, a key is not dead-lettered), 2
 // on a usage error (an unknown flag or command, a bad flag value, no database URL, an invalid
 // name, a retention window shorter than the declared redelivery window plus margin), 3 when
-// purge (or deferred purge) found another purge of the same table (and consumer) running
-// (nothing was done; try again later).
+// purge found another purge of the same table running (nothing was done; try again later).
 package main
 
 import (
