@@ -9,6 +9,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // deferredCmd operates the store-then-process inbox table (package middleware/deferred):
@@ -18,12 +20,13 @@ import (
 //	watermill-inbox deferred replay --consumer billing --status dead
 //	watermill-inbox deferred replay --consumer billing --from 2026-11-30T00:00:00Z --to 2026-12-01T00:00:00Z --status done
 //	watermill-inbox deferred stats --consumer billing
+//	watermill-inbox deferred purge --consumer billing --window 14d [--dry-run]
 func deferredCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "deferred",
-		Short: "Operate the store-then-process inbox table (migrate, replay, stats)",
+		Short: "Operate the store-then-process inbox table (migrate, replay, stats, purge)",
 	}
-	cmd.AddCommand(deferredMigrateCmd(), deferredReplayCmd(), deferredStatsCmd())
+	cmd.AddCommand(deferredMigrateCmd(), deferredReplayCmd(), deferredStatsCmd(), deferredPurgeCmd())
 	return cmd
 }
 
@@ -44,19 +47,29 @@ func (f *deferredFlags) register(cmd *cobra.Command, consumer bool) {
 // open validates the names, connects and returns the inbox of the consumer ("migrate" when
 // none is needed) and the pool to close.
 func (f *deferredFlags) open(cmd *cobra.Command) (*deferred.Inbox, *pgxpool.Pool, error) {
+	return f.openWith(cmd, deferred.Config{})
+}
+
+// openWith is open with cfg's other settings (a retention window). Invalid names or settings
+// and a missing URL are usage errors, reported before connecting.
+func (f *deferredFlags) openWith(cmd *cobra.Command, cfg deferred.Config) (*deferred.Inbox, *pgxpool.Pool, error) {
 	consumer := f.consumer
 	if consumer == "" {
 		consumer = "migrate"
 	}
-	cfg := deferred.Config{Schema: f.schema, Table: f.table, ConsumerName: consumer}
+	cfg.Schema, cfg.Table, cfg.ConsumerName = f.schema, f.table, consumer
 	if _, err := deferred.MigrationSQL(cfg); err != nil {
-		return nil, nil, err // invalid names, reported before connecting
+		return nil, nil, usageError{err} // invalid names or settings, reported before connecting
 	}
 	url := f.url()
 	if url == "" {
 		return nil, nil, usageError{errors.New("no database URL: pass --database-url or set INBOX_DATABASE_URL")}
 	}
-	pool, err := pgxpool.New(cmd.Context(), url)
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, nil, usageError{fmt.Errorf("database URL: %w", err)} // pgx redacts the password
+	}
+	pool, err := pgxpool.NewWithConfig(cmd.Context(), pcfg)
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect: %w", err)
 	}
@@ -192,5 +205,67 @@ func deferredStatsCmd() *cobra.Command {
 		},
 	}
 	f.register(cmd, true)
+	return cmd
+}
+
+func deferredPurgeCmd() *cobra.Command {
+	var f deferredFlags
+	var r inbox.Retention
+	var p pgstore.PurgeExpiredParams
+	var topics []string
+	var topicSchema string
+	cmd := &cobra.Command{
+		Use:   "purge --consumer billing --window 14d",
+		Short: "Delete a consumer's done rows that have left the retention window, in bounded batches",
+		Long: "Deletes, in batches of --batch-size rows per transaction with --pause between batches,\n" +
+			"the done rows of --consumer whose done_at is older than --window, and the rows of each\n" +
+			"--topic (watermill-sql) that every consumer group has consumed and that are older than\n" +
+			"--window. Pending, processing and dead rows are never deleted; with producer sequences the\n" +
+			"done rows the ordering still reads are kept. The window is refused when it is shorter than\n" +
+			"--max-redelivery plus --margin. One purge runs at a time per table and consumer: a second\n" +
+			"one exits with status 3. --dry-run prints what would be deleted and changes nothing. See\n" +
+			"docs/retention.md.",
+		Args: usageArgs(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if f.consumer == "" {
+				return usageError{fmt.Errorf("--consumer is required")}
+			}
+			if r.Window == 0 {
+				return usageError{fmt.Errorf("--window is required: the retention window your consumers are configured with (e.g. 14d)")}
+			}
+			if p.BatchSize < 1 {
+				return usageError{fmt.Errorf("--batch-size must be at least 1")}
+			}
+			for _, t := range topics {
+				wt := pgstore.WatermillTopic{Schema: topicSchema, Topic: t}
+				if err := wt.Validate(); err != nil {
+					return usageError{err}
+				}
+				p.Topics = append(p.Topics, wt)
+			}
+			ib, pool, err := f.openWith(cmd, deferred.Config{Retention: r})
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			out, errOut := cmd.OutOrStdout(), cmd.ErrOrStderr()
+			p.Progress = progressPrinter(errOut, p.DryRun)
+			rep, err := ib.PurgeExpired(cmd.Context(), p)
+			if !rep.Now.IsZero() {
+				printReport(out, ib, rep)
+			}
+			return err
+		},
+	}
+	f.register(cmd, true)
+	fl := cmd.Flags()
+	fl.Var(days{&r.Window}, "window", "retention window of done rows (required), e.g. 14d or 36h")
+	fl.Var(days{&r.MaxRedelivery}, "max-redelivery", "the longest time a copy of a message can still arrive (default 7d)")
+	fl.Var(days{&r.Margin}, "margin", "added to --max-redelivery to get the shortest accepted window (default 1d)")
+	fl.IntVar(&p.BatchSize, "batch-size", pgstore.DefaultPurgeBatchSize, "rows deleted per transaction")
+	fl.DurationVar(&p.Pause, "pause", pgstore.DefaultPurgePause, "pause between batches")
+	fl.StringArrayVar(&topics, "topic", nil, "a watermill-sql topic whose consumed rows are purged too (repeatable), e.g. inbox_outbox")
+	fl.StringVar(&topicSchema, "topic-schema", "", "schema of the --topic tables (default: the connection's search_path)")
+	fl.BoolVar(&p.DryRun, "dry-run", false, "print what would be deleted; delete nothing")
 	return cmd
 }

@@ -9,6 +9,7 @@
 //	watermill-inbox layout convert --to compact [--partitioned daily] [--dry-run | --print]
 //	watermill-inbox deferred migrate         # the store-then-process table (see deferred.go)
 //	watermill-inbox deferred replay --consumer billing --status dead
+//	watermill-inbox deferred purge --consumer billing --window 14d [--dry-run]
 //	watermill-inbox grants --role app --outbox   # the application role's GRANT statements
 //	watermill-inbox --version
 //

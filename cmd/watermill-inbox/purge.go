@@ -178,14 +178,21 @@ func progressPrinter(w io.Writer, dry bool) func(pgstore.PurgeProgress) {
 	}
 }
 
-func printReport(w io.Writer, store *pgstore.Store, rep pgstore.PurgeReport) {
+// printReport prints a purge's report. A report without a dead-letter cutoff (the
+// store-then-process table's: dead rows are not purged by age) prints no dead-letter window.
+func printReport(w io.Writer, store inbox.RetentionStore, rep pgstore.PurgeReport) {
 	ret, _ := store.Retention()
 	verb := "deleted"
 	if rep.DryRun {
 		verb = "would delete"
 	}
-	fmt.Fprintf(w, "retention window %s (dead letters %s); database time %s\n", days{&ret.Window}, days{&ret.DeadLetterWindow}, rep.Now.UTC().Format(time.RFC3339))
-	fmt.Fprintf(w, "cutoff %s, dead-letter cutoff %s\n", rep.Cutoff.UTC().Format(time.RFC3339), rep.DeadLetterCutoff.UTC().Format(time.RFC3339))
+	if rep.DeadLetterCutoff.IsZero() {
+		fmt.Fprintf(w, "retention window %s; database time %s\n", days{&ret.Window}, rep.Now.UTC().Format(time.RFC3339))
+		fmt.Fprintf(w, "cutoff %s\n", rep.Cutoff.UTC().Format(time.RFC3339))
+	} else {
+		fmt.Fprintf(w, "retention window %s (dead letters %s); database time %s\n", days{&ret.Window}, days{&ret.DeadLetterWindow}, rep.Now.UTC().Format(time.RFC3339))
+		fmt.Fprintf(w, "cutoff %s, dead-letter cutoff %s\n", rep.Cutoff.UTC().Format(time.RFC3339), rep.DeadLetterCutoff.UTC().Format(time.RFC3339))
+	}
 	for _, t := range rep.Tables {
 		fmt.Fprintf(w, "%-12s %s: %s %d rows\n", t.Kind, t.Table, verb, t.Rows)
 	}

@@ -172,6 +172,24 @@ type Config struct {
 	Outbox inbox.Outbox
 	// PublishTopic is the topic of the handler's returned messages.
 	PublishTopic string
+
+	// Retention is the retention window of the consumer's done rows, used by PurgeExpired
+	// (and the background purger, package middleware/retention, or the CLI's deferred purge):
+	// done rows whose done_at is older than Window are purged; pending, processing and dead
+	// rows never are by age. The zero value configures no retention (PurgeExpired refuses
+	// with pgstore.ErrNoRetention); a set one takes inbox.Retention's defaults and is
+	// validated the same way as the immediate inbox's (inbox.Retention.Validate: Window at
+	// least MaxRedelivery + Margin, else an *inbox.RetentionError). DeadLetterWindow is
+	// unused here: dead rows stay until replayed. See docs/retention.md.
+	Retention inbox.Retention
+	// TooOld refuses at receipt a message whose producer time is older than the retention
+	// window (its evidence, the done row, may already be purged, so a copy could be processed
+	// twice), or further in the future than the clock skew allows: dead-lettered with
+	// inbox.ReasonTooOld or inbox.ReasonFutureProducerTime (or, without a dead-letter topic,
+	// nacked with a permanent error) instead of inserted. The immediate inbox's guard, same
+	// options: off while ProducerTime is nil; Window zero takes Retention.Window;
+	// ProcessTooOld inserts such a message anyway, with a warning.
+	TooOld inbox.TooOldGuard
 }
 
 func (c *Config) setDefaults() {
@@ -220,6 +238,10 @@ func (c *Config) setDefaults() {
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = DefaultFinishTimeout
 	}
+	if c.Retention != (inbox.Retention{}) {
+		c.Retention = c.Retention.WithDefaults()
+	}
+	c.TooOld = c.TooOld.WithDefaults(c.Retention.Window)
 	if c.WorkerName == "" {
 		host, _ := os.Hostname()
 		c.WorkerName = fmt.Sprintf("%s-%d", host, os.Getpid())
@@ -229,7 +251,9 @@ func (c *Config) setDefaults() {
 // Validate returns an error wrapping inbox.ErrInvalidConfig for a missing pool, an invalid
 // name, a negative or too small duration, a batch size or worker count below 1, an unknown
 // ordering or policy, OrderProducerSequence without SequenceField, a dead-letter publisher
-// without a topic (or the reverse), or messages to publish without a topic.
+// without a topic (or the reverse), messages to publish without a topic, a Retention that
+// inbox.Retention.Validate refuses (an *inbox.RetentionError), or a TooOld guard that
+// inbox.TooOldGuard.Validate refuses (no window: neither TooOld.Window nor Retention).
 func (c Config) Validate() error {
 	if c.Pool == nil {
 		return fmt.Errorf("%w: deferred: Pool is required", inbox.ErrInvalidConfig)
@@ -268,5 +292,10 @@ func (c Config) Validate() error {
 	if c.Ordering == OrderProducerSequence && inbox.IsBrokerSideField(c.SequenceField, c.BrokerSideFields) {
 		return fmt.Errorf("%w: deferred: SequenceField %q is a broker-side delivery field, not a producer sequence", inbox.ErrBrokerSideKey, c.SequenceField)
 	}
-	return nil
+	if c.Retention != (inbox.Retention{}) {
+		if err := c.Retention.Validate(); err != nil {
+			return err
+		}
+	}
+	return c.TooOld.Validate()
 }

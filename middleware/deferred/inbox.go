@@ -57,9 +57,12 @@ type Counters struct {
 	Duplicates uint64
 	// Collisions counts receipts of a known key with another payload.
 	Collisions uint64
-	// Refused counts receipts refused (invalid key, metadata or sequence), dead-lettered or
-	// nacked.
+	// Refused counts receipts refused (invalid key, metadata or sequence, too old or
+	// future-dated), dead-lettered or nacked.
 	Refused uint64
+	// TooOld counts the receipts among Refused that Config.TooOld refused (older than the
+	// retention window, or future-dated beyond the clock skew).
+	TooOld uint64
 	// Done counts rows this process's workers marked done.
 	Done uint64
 	// Failed counts handler runs that failed (the row went back to pending or dead).
@@ -80,8 +83,8 @@ type Inbox struct {
 	n      *names
 	logger watermill.LoggerAdapter
 
-	received, duplicates, collisions, refused atomic.Uint64
-	done, failed, dead, fenced, reaped        atomic.Uint64
+	received, duplicates, collisions, refused, tooOld atomic.Uint64
+	done, failed, dead, fenced, reaped                atomic.Uint64
 
 	notifyMu               sync.Mutex
 	notifying, notifyAgain bool
@@ -117,7 +120,7 @@ func (i *Inbox) Channel() string { return i.n.channel }
 func (i *Inbox) Counters() Counters {
 	return Counters{
 		Received: i.received.Load(), Duplicates: i.duplicates.Load(), Collisions: i.collisions.Load(),
-		Refused: i.refused.Load(), Done: i.done.Load(), Failed: i.failed.Load(), Dead: i.dead.Load(),
+		Refused: i.refused.Load(), TooOld: i.tooOld.Load(), Done: i.done.Load(), Failed: i.failed.Load(), Dead: i.dead.Load(),
 		Fenced: i.fenced.Load(), Reaped: i.reaped.Load(),
 	}
 }
@@ -133,6 +136,10 @@ func (i *Inbox) Counters() Counters {
 //     payload hash it is a key collision, handled by Config.OnKeyCollision.
 //   - An invalid key, aggregate key, sequence or metadata is a poison message: dead-lettered
 //     and acked with a dead-letter topic, else the permanent error is returned (nack).
+//   - With Config.TooOld on, a message older than the retention window (or future-dated
+//     beyond the clock skew) is refused the same way, before the insert, with the reason
+//     inbox.ReasonTooOld (inbox.ReasonFutureProducerTime) and an error wrapping
+//     inbox.ErrTooOld (inbox.ErrFutureProducerTime); nothing is stored for it.
 //   - A database error is returned (nack); if the insert had committed, the redelivery is a
 //     duplicate.
 func (i *Inbox) Receive(msg *message.Message) error {
@@ -150,6 +157,12 @@ func (i *Inbox) Receive(msg *message.Message) error {
 	}
 	if err != nil {
 		return i.refuse(msg, "", err)
+	}
+	if reason, err := i.cfg.TooOld.Check(msg, i.logger); err != nil {
+		// Too old or future-dated: before the insert, so its row may already be purged and
+		// nothing is written for it.
+		i.tooOld.Add(1)
+		return i.refuseWith(msg, key, err, reason)
 	}
 	var agg *string
 	var seq *int64
@@ -261,12 +274,17 @@ func (i *Inbox) notify() {
 
 // refuse settles a poison message at receipt: dead-lettered (nil: ack) or its error (nack).
 func (i *Inbox) refuse(msg *message.Message, key string, err error) error {
+	return i.refuseWith(msg, key, err, "permanent error: "+err.Error())
+}
+
+// refuseWith is refuse with the dead letter's reason given.
+func (i *Inbox) refuseWith(msg *message.Message, key string, err error, reason string) error {
 	i.refused.Add(1)
-	i.logger.Error("Message refused at receipt", err, watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID)})
+	i.logger.Error("Message refused at receipt", err, watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "reason": reason})
 	if i.cfg.DeadLetterPublisher == nil {
 		return err
 	}
-	return i.publishDeadLetter(msg.Context(), msg, key, "permanent error: "+err.Error(), 0, message.SubscribeTopicFromCtx(msg.Context()))
+	return i.publishDeadLetter(msg.Context(), msg, key, reason, 0, message.SubscribeTopicFromCtx(msg.Context()))
 }
 
 // publishDeadLetter publishes a copy of msg to the dead-letter topic with the PoisonQueue

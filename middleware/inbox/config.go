@@ -245,5 +245,5 @@ func (c Config) Validate() error {
 	if err := c.Batch.validate(c.Store); err != nil {
 		return err
 	}
-	return c.TooOld.validate()
+	return c.TooOld.Validate()
 }

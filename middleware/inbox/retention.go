@@ -224,15 +224,26 @@ type TooOldGuard struct {
 }
 
 func (g *TooOldGuard) setDefaults(store Store) {
+	var window time.Duration
+	if rs, ok := store.(RetentionStore); ok {
+		if r, ok := rs.Retention(); ok {
+			window = r.Window
+		}
+	}
+	*g = g.WithDefaults(window)
+}
+
+// WithDefaults returns g with its zero fields filled: Window from retentionWindow (the
+// window of the table the guard protects, zero when none is configured), MaxClockSkew
+// DefaultMaxClockSkew, Now time.Now. A guard without ProducerTime is returned unchanged (it is
+// off). The immediate inbox fills Window from its Store (RetentionStore); the
+// store-then-process inbox (package deferred) from its Config.Retention.
+func (g TooOldGuard) WithDefaults(retentionWindow time.Duration) TooOldGuard {
 	if g.ProducerTime == nil {
-		return
+		return g
 	}
 	if g.Window == 0 {
-		if rs, ok := store.(RetentionStore); ok {
-			if r, ok := rs.Retention(); ok {
-				g.Window = r.Window
-			}
-		}
+		g.Window = retentionWindow
 	}
 	if g.MaxClockSkew == 0 {
 		g.MaxClockSkew = DefaultMaxClockSkew
@@ -240,9 +251,14 @@ func (g *TooOldGuard) setDefaults(store Store) {
 	if g.Now == nil {
 		g.Now = time.Now
 	}
+	return g
 }
 
-func (g TooOldGuard) validate() error {
+// Validate returns an error wrapping ErrInvalidConfig for a guard with a ProducerTime and a
+// negative duration, or without a window (neither Window nor a retention window on the table
+// it protects). A guard without ProducerTime is off and always valid. Call it after
+// WithDefaults.
+func (g TooOldGuard) Validate() error {
 	if g.ProducerTime == nil {
 		return nil
 	}
@@ -250,44 +266,60 @@ func (g TooOldGuard) validate() error {
 		return fmt.Errorf("%w: TooOld: durations must not be negative", ErrInvalidConfig)
 	}
 	if g.Window == 0 {
-		return fmt.Errorf("%w: TooOld: no retention window: set TooOld.Window, or a retention window on the Store (pgstore.Config.Retention)", ErrInvalidConfig)
+		return fmt.Errorf("%w: TooOld: no retention window: set TooOld.Window, or a retention window on the table (pgstore.Config.Retention, deferred.Config.Retention)", ErrInvalidConfig)
 	}
 	return nil
+}
+
+// Check applies the guard to msg (call WithDefaults first). It returns "" and nil when msg may
+// go on: the guard is off, msg carries no producer time, msg was republished by
+// ReplayDeadLetter (DeadLetterReplayedKey), its producer time is inside the window, or it is
+// too old and ProcessTooOld is set (a warning is then logged on logger, which may be nil).
+// Otherwise it returns the dead-letter reason and a Permanent error: ReasonFutureProducerTime
+// with ErrFutureProducerTime (a producer time more than MaxClockSkew ahead of Now, whatever
+// ProcessTooOld says), ReasonTooOld with ErrTooOld (older than Window), or "unreadable producer
+// time: ..." with the ProducerTimeFunc's error. Logs carry the message UUID (SafeMessageID),
+// never the payload.
+func (g TooOldGuard) Check(msg *message.Message, logger watermill.LoggerAdapter) (reason string, err error) {
+	if g.ProducerTime == nil || msg.Metadata.Get(DeadLetterReplayedKey) != "" {
+		return "", nil
+	}
+	pt, ok, err := g.ProducerTime(msg)
+	if err != nil {
+		return "unreadable producer time: " + err.Error(), Permanent(err)
+	}
+	if !ok {
+		return "", nil
+	}
+	now := g.Now()
+	switch age := now.Sub(pt); {
+	case -age > g.MaxClockSkew:
+		return ReasonFutureProducerTime, Permanent(fmt.Errorf("%w: producer time %s is %s ahead (limit %s)",
+			ErrFutureProducerTime, pt.UTC().Format(time.RFC3339Nano), (-age).Round(time.Millisecond), g.MaxClockSkew))
+	case age > g.Window:
+		if g.ProcessTooOld {
+			if logger != nil {
+				logger.Info("WARNING: processing a message older than the retention window (TooOld.ProcessTooOld): "+
+					"its inbox row may have been purged, so a duplicate of it is not detected", watermill.LogFields{
+					"message_uuid": safeUUID(msg.UUID), "producer_time": pt.UTC().Format(time.RFC3339Nano),
+					"age": age.Round(time.Second).String(), "retention_window": g.Window.String()})
+			}
+			return "", nil
+		}
+		return ReasonTooOld, Permanent(fmt.Errorf("%w: producer time %s, age %s, window %s",
+			ErrTooOld, pt.UTC().Format(time.RFC3339Nano), age.Round(time.Second), g.Window))
+	}
+	return "", nil
 }
 
 // checkProducerTime applies the TooOldGuard before the claim: it returns the failure of a
 // refused message (permanent, with d.res.Reason set, so it is dead-lettered without an
 // attempt), or nil to go on. A message republished by ReplayDeadLetter is let through.
 func (i *Inbox) checkProducerTime(d *delivery) *failure {
-	g := i.cfg.TooOld
-	if g.ProducerTime == nil || d.msg.Metadata.Get(DeadLetterReplayedKey) != "" {
+	reason, err := i.cfg.TooOld.Check(d.msg, i.logger)
+	if err == nil {
 		return nil
 	}
-	pt, ok, err := g.ProducerTime(d.msg)
-	if err != nil {
-		d.res.Reason = "unreadable producer time: " + err.Error()
-		return &failure{kind: failMessage, err: Permanent(err)}
-	}
-	if !ok {
-		return nil
-	}
-	now := g.Now()
-	switch age := now.Sub(pt); {
-	case -age > g.MaxClockSkew:
-		d.res.Reason = ReasonFutureProducerTime
-		return &failure{kind: failMessage, err: Permanent(fmt.Errorf("%w: producer time %s is %s ahead (limit %s)",
-			ErrFutureProducerTime, pt.UTC().Format(time.RFC3339Nano), (-age).Round(time.Millisecond), g.MaxClockSkew))}
-	case age > g.Window:
-		fields := watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID), "producer_time": pt.UTC().Format(time.RFC3339Nano),
-			"age": age.Round(time.Second).String(), "retention_window": g.Window.String()}
-		if g.ProcessTooOld {
-			i.logger.Info("WARNING: processing a message older than the retention window (TooOld.ProcessTooOld): "+
-				"its inbox row may have been purged, so a duplicate of it is not detected", fields)
-			return nil
-		}
-		d.res.Reason = ReasonTooOld
-		return &failure{kind: failMessage, err: Permanent(fmt.Errorf("%w: producer time %s, age %s, window %s",
-			ErrTooOld, pt.UTC().Format(time.RFC3339Nano), age.Round(time.Second), g.Window))}
-	}
-	return nil
+	d.res.Reason = reason
+	return &failure{kind: failMessage, err: err}
 }

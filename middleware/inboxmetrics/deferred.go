@@ -70,7 +70,7 @@ func (c *DeferredCollector) Collect(ch chan<- prometheus.Metric) {
 			n     uint64
 		}{
 			{"received", st.Counters.Received}, {"duplicate", st.Counters.Duplicates},
-			{"collision", st.Counters.Collisions}, {"refused", st.Counters.Refused},
+			{"collision", st.Counters.Collisions}, {"refused", st.Counters.Refused}, {"too_old", st.Counters.TooOld},
 			{"done", st.Counters.Done}, {"failed", st.Counters.Failed}, {"dead", st.Counters.Dead},
 			{"fenced", st.Counters.Fenced}, {"reaped", st.Counters.Reaped},
 		}

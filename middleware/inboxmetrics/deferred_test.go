@@ -2,6 +2,7 @@ package inboxmetrics_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
 )
 
@@ -21,7 +23,8 @@ import (
 func TestDeferredCollectorMatchesTheTable(t *testing.T) {
 	sch := testenv.NewSchema(t, 4)
 	ctx := context.Background()
-	ib, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "billing"}, nil)
+	ib, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "billing",
+		TooOld: inbox.TooOldGuard{ProducerTime: inbox.ProducerTimeFromMetadata("produced_at"), Window: time.Hour}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,6 +37,12 @@ func TestDeferredCollectorMatchesTheTable(t *testing.T) {
 		if err := ib.Receive(m); err != nil {
 			t.Fatalf("receive %s: %v", id, err)
 		}
+	}
+	old := message.NewMessage("p-old", []byte(`{"amount":1}`)) // refused at receipt: too old
+	old.Metadata.Set("produced_at", time.Now().Add(-2*time.Hour).UTC().Format(time.RFC3339))
+	old.SetContext(ctx)
+	if err := ib.Receive(old); !errors.Is(err, inbox.ErrTooOld) {
+		t.Fatalf("receive of a too-old message: %v, want ErrTooOld", err)
 	}
 	// One row claimed by a worker, one dead, as the workers would leave them.
 	table := ib.Table()
@@ -89,8 +98,8 @@ watermill_inbox_deferred_stats_up{consumer="billing"} 1
 			}
 		}
 	}
-	if got["received"] != 3 || got["duplicate"] != 1 {
-		t.Errorf("rows_total %v: want received 3, duplicate 1", got)
+	if got["received"] != 3 || got["duplicate"] != 1 || got["refused"] != 1 || got["too_old"] != 1 {
+		t.Errorf("rows_total %v: want received 3, duplicate 1, refused 1, too_old 1", got)
 	}
 	sch.Pool.Close() // the next read fails
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(`

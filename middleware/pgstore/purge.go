@@ -2,13 +2,13 @@ package pgstore
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/purge"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -21,7 +21,7 @@ const DefaultPurgePause = 50 * time.Millisecond
 
 // ErrPurgeInProgress is returned by PurgeExpired when another purger (another instance, or
 // the CLI) holds the table's purge lock: exactly one purger runs at a time per inbox table.
-var ErrPurgeInProgress = errors.New("pgstore: another purge of this inbox table is running")
+var ErrPurgeInProgress = purge.ErrInProgress
 
 // ErrNoRetention is returned (wrapping inbox.ErrInvalidConfig) by PurgeExpired on a Store
 // whose Config.Retention is not set: the purge never guesses a window.
@@ -40,11 +40,13 @@ type WatermillTopic struct {
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Topic or Schema
 // name (see ValidateIdentifier).
 func (w WatermillTopic) Validate() error {
-	_, _, err := w.tables()
+	_, _, err := w.Tables()
 	return err
 }
 
-func (w WatermillTopic) tables() (messages, offsets string, err error) {
+// Tables returns the quoted names of the topic's messages and offsets tables, or an error
+// wrapping inbox.ErrInvalidConfig for an invalid Topic or Schema name.
+func (w WatermillTopic) Tables() (messages, offsets string, err error) {
 	if err := ValidateIdentifier("pgstore: watermill topic", w.Topic, 63-len("watermill_offsets_")); err != nil {
 		return "", "", err
 	}
@@ -169,7 +171,7 @@ func (s *Store) PurgeExpired(ctx context.Context, p PurgeExpiredParams) (PurgeRe
 	type topicTables struct{ messages, offsets string }
 	var topics []topicTables
 	for _, t := range p.Topics {
-		m, o, err := t.tables()
+		m, o, err := t.Tables()
 		if err != nil {
 			return rep, err
 		}
@@ -183,109 +185,50 @@ func (s *Store) PurgeExpired(ctx context.Context, p PurgeExpiredParams) (PurgeRe
 	if pause == 0 {
 		pause = DefaultPurgePause
 	}
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return rep, fmt.Errorf("purge: acquire a connection: %w", err)
+	rp := purge.Params{BatchSize: size, Pause: pause, DryRun: p.DryRun}
+	if p.Progress != nil {
+		rp.Progress = func(pr purge.Progress) { p.Progress(PurgeProgress(pr)) }
 	}
-	var locked bool
-	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock(hashtextextended($1, 0)), now()", s.purgeLockKey()).Scan(&locked, &rep.Now); err != nil {
-		conn.Release()
-		return rep, fmt.Errorf("purge: take the purge lock: %w", err)
-	}
-	if !locked {
-		conn.Release()
-		return rep, ErrPurgeInProgress
-	}
-	defer func() {
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		if _, err := conn.Exec(uctx, "SELECT pg_advisory_unlock(hashtextextended($1, 0))", s.purgeLockKey()); err != nil {
-			_ = conn.Conn().Close(uctx) // the lock goes with the session
-		}
-		conn.Release()
-	}()
 	rep.DryRun = p.DryRun
-	rep.Cutoff = rep.Now.Add(-ret.Window)
-	rep.DeadLetterCutoff = rep.Now.Add(-ret.DeadLetterWindow)
-
-	type step struct {
-		kind, table string
-		batch       func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error)
-		count       func(ctx context.Context, c *pgxpool.Conn) (int64, error)
-	}
-	steps := []step{
-		{PurgeKindInbox, s.table,
-			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
-				return s.purgeInboxBatch(ctx, c, rep.Cutoff, limit)
-			},
-			func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
-				return s.countExpiredInbox(ctx, c, rep.Cutoff)
-			}},
-		{PurgeKindAttempts, s.attempts,
-			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
-				return s.purgeAttemptsBatch(ctx, c, rep.Cutoff, limit)
-			},
-			func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
-				return s.countExpiredAttempts(ctx, c, rep.Cutoff)
-			}},
-		{PurgeKindDeadLetters, s.attempts,
-			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
-				return s.purgeDeadLettersBatch(ctx, c, rep.DeadLetterCutoff, limit)
-			},
-			func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
-				return s.countExpiredDeadLetters(ctx, c, rep.DeadLetterCutoff)
-			}},
-	}
-	for _, t := range topics {
-		steps = append(steps, step{PurgeKindTopic, t.messages,
-			func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
-				return purgeTopicBatch(ctx, c, t.messages, t.offsets, rep.Cutoff, limit)
-			},
-			func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
-				return countExpiredTopic(ctx, c, t.messages, t.offsets, rep.Cutoff)
-			}})
-	}
-	for _, st := range steps {
-		pr := PurgeProgress{Kind: st.kind, Table: st.table}
-		if p.DryRun {
-			n, err := st.count(ctx, conn)
-			if err != nil {
-				return rep, fmt.Errorf("purge %s (dry run): %w", st.table, err)
-			}
-			pr.Rows, pr.Done = n, true
-			rep.Tables = append(rep.Tables, pr)
-			if p.Progress != nil {
-				p.Progress(pr)
-			}
-			continue
+	now, tables, err := purge.Run(ctx, s.pool, s.purgeLockKey(), rp, func(now time.Time) []purge.Step {
+		cutoff, dlCutoff := now.Add(-ret.Window), now.Add(-ret.DeadLetterWindow)
+		steps := []purge.Step{
+			{Kind: PurgeKindInbox, Table: s.table,
+				Batch: func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
+					return s.purgeInboxBatch(ctx, c, cutoff, limit)
+				},
+				Count: func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
+					return s.countExpiredInbox(ctx, c, cutoff)
+				}},
+			{Kind: PurgeKindAttempts, Table: s.attempts,
+				Batch: func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
+					return s.purgeAttemptsBatch(ctx, c, cutoff, limit)
+				},
+				Count: func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
+					return s.countExpiredAttempts(ctx, c, cutoff)
+				}},
+			{Kind: PurgeKindDeadLetters, Table: s.attempts,
+				Batch: func(ctx context.Context, c *pgxpool.Conn, limit int) (int64, error) {
+					return s.purgeDeadLettersBatch(ctx, c, dlCutoff, limit)
+				},
+				Count: func(ctx context.Context, c *pgxpool.Conn) (int64, error) {
+					return s.countExpiredDeadLetters(ctx, c, dlCutoff)
+				}},
 		}
-		for {
-			n, err := st.batch(ctx, conn, size)
-			if err != nil {
-				rep.Tables = append(rep.Tables, pr)
-				return rep, fmt.Errorf("purge %s: %w", st.table, err)
-			}
-			pr.Rows += n
-			pr.Batches++
-			pr.Done = n < int64(size)
-			if p.Progress != nil {
-				p.Progress(pr)
-			}
-			if pr.Done {
-				break
-			}
-			if pause > 0 {
-				select {
-				case <-time.After(pause):
-				case <-ctx.Done():
-					rep.Tables = append(rep.Tables, pr)
-					return rep, ctx.Err()
-				}
-			}
+		for _, t := range topics {
+			steps = append(steps, purge.TopicStep(PurgeKindTopic, t.messages, t.offsets, cutoff))
 		}
-		rep.Tables = append(rep.Tables, pr)
+		return steps
+	})
+	if !now.IsZero() {
+		rep.Now = now
+		rep.Cutoff = now.Add(-ret.Window)
+		rep.DeadLetterCutoff = now.Add(-ret.DeadLetterWindow)
 	}
-	return rep, nil
+	for _, t := range tables {
+		rep.Tables = append(rep.Tables, PurgeProgress(t))
+	}
+	return rep, err
 }
 
 // purgeInboxBatch deletes at most limit processed rows received before cutoff, oldest first
@@ -341,32 +284,5 @@ func (s *Store) purgeDeadLettersBatch(ctx context.Context, c *pgxpool.Conn, cuto
 func (s *Store) countExpiredDeadLetters(ctx context.Context, c *pgxpool.Conn, cutoff time.Time) (int64, error) {
 	var n int64
 	err := c.QueryRow(ctx, "SELECT count(*) FROM "+s.attempts+" WHERE dead_lettered_at < $1", cutoff).Scan(&n)
-	return n, err
-}
-
-// topicConsumedSQL selects the rows of a watermill-sql v4 messages table (m) that every consumer
-// group has consumed: watermill-sql reads a group's rows in (transaction_id, "offset") order
-// and commits (last_processed_transaction_id, offset_acked), so a row at or below the least
-// committed position of all groups is consumed by all. No group, or a group with a NULL
-// offset, selects nothing. created_at is watermill-sql's TIMESTAMP (without time zone, written
-// as CURRENT_TIMESTAMP in the session's TimeZone): $1 is converted the same way.
-const topicConsumedSQL = `WITH pos AS (
-	SELECT last_processed_transaction_id AS x, offset_acked AS o FROM %[2]s
-	WHERE NOT EXISTS (SELECT 1 FROM %[2]s WHERE offset_acked IS NULL)
-	ORDER BY 1, 2 LIMIT 1)
-SELECT m.transaction_id, m."offset" FROM %[1]s m, pos
-WHERE (m.transaction_id, m."offset") <= (pos.x, pos.o) AND m.created_at < ($1::timestamptz)::timestamp`
-
-// purgeTopicBatch deletes at most limit consumed rows older than cutoff from a watermill-sql
-// messages table, in (transaction_id, "offset") order (its primary key).
-func purgeTopicBatch(ctx context.Context, c *pgxpool.Conn, messages, offsets string, cutoff time.Time, limit int) (int64, error) {
-	tag, err := c.Exec(ctx, "DELETE FROM "+messages+` WHERE (transaction_id, "offset") IN (`+
-		fmt.Sprintf(topicConsumedSQL, messages, offsets)+` ORDER BY m.transaction_id, m."offset" LIMIT $2)`, cutoff, limit)
-	return tag.RowsAffected(), err
-}
-
-func countExpiredTopic(ctx context.Context, c *pgxpool.Conn, messages, offsets string, cutoff time.Time) (int64, error) {
-	var n int64
-	err := c.QueryRow(ctx, "SELECT count(*) FROM ("+fmt.Sprintf(topicConsumedSQL, messages, offsets)+") AS consumed", cutoff).Scan(&n)
 	return n, err
 }

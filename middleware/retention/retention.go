@@ -1,6 +1,7 @@
 // Package retention runs the inbox's purge in the background, beside the router: every
 // Interval it deletes what has left the retention window from the inbox table, its attempts
-// table and the watermill-sql topic tables you name (pgstore.Store.PurgeExpired), in bounded
+// table and the watermill-sql topic tables you name (pgstore.Store.PurgeExpired), or from a
+// store-then-process table (deferred.Inbox.PurgeExpired: done rows only), in bounded
 // batches, with exactly one purger at a time across every instance.
 //
 //	store, _ := pgstore.New(pool, pgstore.Config{Retention: inbox.Retention{
@@ -13,6 +14,12 @@
 //	go func() { _ = purger.Run(ctx) }()
 //	defer purger.Close()
 //
+// The store-then-process inbox is purged the same way (its Config.Retention sets the window):
+//
+//	ib, _ := deferred.New(deferred.Config{Pool: pool, ConsumerName: "billing",
+//		Retention: inbox.Retention{Window: 14 * 24 * time.Hour}}, logger)
+//	purger, _ := retention.New(ib, retention.Config{}, logger)
+//
 // The window, and how to choose it, is explained in docs/retention.md.
 package retention
 
@@ -20,6 +27,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync"
 	"time"
 
@@ -58,9 +66,22 @@ func (c Config) Validate() error {
 	return nil
 }
 
+// Target is what a Purger purges: a *pgstore.Store (the immediate inbox's table, its attempts
+// table, and Config.Topics) or a *deferred.Inbox (the done rows of one consumer of a
+// store-then-process table, and Config.Topics). Both return pgstore.ErrPurgeInProgress when
+// another purger holds the target's purge lock.
+type Target interface {
+	// Retention returns the target's retention setting, and false when none is configured.
+	inbox.RetentionStore
+	// PurgeExpired runs one purge pass (see pgstore.Store.PurgeExpired).
+	PurgeExpired(ctx context.Context, p pgstore.PurgeExpiredParams) (pgstore.PurgeReport, error)
+	// Table returns the quoted, schema-qualified table name, for logs.
+	Table() string
+}
+
 // Purger is the background purge of one inbox table. Run it beside the router; Close stops it.
 type Purger struct {
-	store  *pgstore.Store
+	store  Target
 	cfg    Config
 	logger watermill.LoggerAdapter
 
@@ -71,11 +92,12 @@ type Purger struct {
 	running chan struct{}
 }
 
-// New returns a Purger of store's tables, or an error wrapping inbox.ErrInvalidConfig for a
-// nil store, a store without a retention window (pgstore.Config.Retention; the purge never
-// guesses one), or an invalid Config. A nil logger discards logs.
-func New(store *pgstore.Store, cfg Config, logger watermill.LoggerAdapter) (*Purger, error) {
-	if store == nil {
+// New returns a Purger of store's tables (a *pgstore.Store or a *deferred.Inbox), or an error
+// wrapping inbox.ErrInvalidConfig for a nil store, a store without a retention window
+// (pgstore.Config.Retention, deferred.Config.Retention; the purge never guesses one), or an
+// invalid Config. A nil logger discards logs.
+func New(store Target, cfg Config, logger watermill.LoggerAdapter) (*Purger, error) {
+	if store == nil || reflect.ValueOf(store).Kind() == reflect.Pointer && reflect.ValueOf(store).IsNil() {
 		return nil, fmt.Errorf("%w: retention: nil store", inbox.ErrInvalidConfig)
 	}
 	if _, ok := store.Retention(); !ok {

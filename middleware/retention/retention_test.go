@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 	"github.com/watermill-inbox/watermill-inbox/middleware/retention"
@@ -93,5 +94,65 @@ func TestRunPurgesInTheBackgroundUntilClose(t *testing.T) {
 	}
 	if err := p.Run(context.Background()); err == nil {
 		t.Fatal("Run after Close succeeded")
+	}
+}
+
+// TestRunPurgesAStoreThenProcessTable: the same Purger takes a deferred.Inbox: it refuses one
+// without a window, and in the background deletes the consumer's done rows past the window
+// while it keeps done rows inside it and pending and dead rows however old.
+func TestRunPurgesAStoreThenProcessTable(t *testing.T) {
+	sch := testenv.NewSchema(t, 3)
+	plain, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "billing"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := retention.New(plain, retention.Config{}, nil); !errors.Is(err, pgstore.ErrNoRetention) {
+		t.Fatalf("New on an inbox without a window: %v", err)
+	}
+	var none *deferred.Inbox
+	if _, err := retention.New(none, retention.Config{}, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("New on a nil inbox: %v", err)
+	}
+	ib, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "billing", Retention: hourly}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ib.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	sch.Exec(t, `INSERT INTO inbox_deferred (message_id, consumer_name, message_uuid, payload, payload_hash, status, done_at, dead_at)
+		SELECT 'k' || g, 'billing', 'k' || g, '\x00', '\x00', CASE WHEN g <= 30 THEN 'done' WHEN g <= 35 THEN 'pending' ELSE 'dead' END,
+		  CASE WHEN g <= 25 THEN now() - interval '3 hours' WHEN g <= 30 THEN now() END,
+		  CASE WHEN g > 35 THEN now() - interval '3 hours' END
+		FROM generate_series(1, 40) g`)
+	passes := make(chan int64, 100)
+	p, err := retention.New(ib, retention.Config{Interval: 50 * time.Millisecond, BatchSize: 10, Pause: time.Millisecond, OnPass: func(r pgstore.PurgeReport, err error) {
+		if err != nil {
+			t.Errorf("pass: %v", err)
+		}
+		passes <- r.Rows()
+	}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan error, 1)
+	go func() { ran <- p.Run(context.Background()) }()
+	select {
+	case n := <-passes:
+		if n != 25 {
+			t.Fatalf("first pass deleted %d rows, want 25", n)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no pass")
+	}
+	if err := p.Close(); err != nil || <-ran != nil {
+		t.Fatal("Close or Run failed")
+	}
+	var left string
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT string_agg(status || '=' || n, ',' ORDER BY status) FROM (SELECT status, count(*) n FROM inbox_deferred GROUP BY status) s").Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != "dead=5,done=5,pending=5" {
+		t.Fatalf("rows left: %s", left)
 	}
 }
