@@ -79,3 +79,21 @@ bench-cost:
 ## workers), with the immediate inbox as the reference row, at 1, 8, 32 and 128 deliveries.
 bench-stp:
 	$(GO) test ./tests/bench -run '^$$' -bench StoreThenProcess -benchtime 1000x -count 3
+
+.PHONY: bench-recovery bench-vacuum
+## bench-recovery: per broker, how long a consumer group stands still after a consumer process is
+## SIGKILLed: seconds from the kill to the successor's first and last commit (first-s, all-s;
+## docs/operations.md "A killed consumer"). The nats and redis "defaults" cases wait out the
+## adapters' default redelivery timeouts (minutes).
+RECOVERY_BROKERS ?= amqp postgres kafka nats redis
+bench-recovery:
+	for b in $(RECOVERY_BROKERS); do \
+		$(GO) test ./adapters/$$b -run '^$$' -bench RecoveryAfterSIGKILL -timeout 15m || exit 1; \
+	done
+
+## bench-vacuum: table sizes and dead tuples after rounds of VACUUM_N deliveries, with and without
+## an explicit VACUUM (CHURN lines; docs/operations.md "Tables that churn, and vacuum"). The
+## CHURN lines of go test's first run (b.N = 1) come first: read the last block.
+VACUUM_N ?= 20000
+bench-vacuum:
+	$(GO) test ./tests -run '^$$' -bench TableChurnAndVacuum -benchtime $(VACUUM_N)x -timeout 20m -v

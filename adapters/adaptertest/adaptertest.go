@@ -90,7 +90,7 @@ func randomName(prefix string) string {
 
 // fixture is one matrix test's database, broker and topic.
 type fixture struct {
-	t      *testing.T
+	t      testing.TB
 	h      Harness
 	sch    *inboxtest.Schema
 	store  *pgstore.Store
@@ -99,7 +99,7 @@ type fixture struct {
 	group  string
 }
 
-func newFixture(t *testing.T, h Harness) *fixture {
+func newFixture(t testing.TB, h Harness) *fixture {
 	t.Helper()
 	sch := inboxtest.NewSchema(t, 16)
 	store := sch.Store(t)

@@ -19,7 +19,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-func harness(t *testing.T) adaptertest.Harness {
+func harness(t testing.TB) adaptertest.Harness {
 	url := testenv.RequireAMQP(t)
 	return adaptertest.Harness{
 		NewBroker: func(_ *pgxpool.Pool, _ string) (*adapters.Broker, error) {
@@ -33,8 +33,9 @@ func harness(t *testing.T) adaptertest.Harness {
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 
-// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery figure.
-func TestRecoveryAfterSIGKILL(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) }
+// BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figure
+// (go test ./adapters/amqp -run '^$' -bench RecoveryAfterSIGKILL).
+func BenchmarkRecoveryAfterSIGKILL(b *testing.B) { adaptertest.BenchmarkRecovery(b, harness(b)) }
 
 // TestNonStringHeadersDoNotLoop publishes, with the plain AMQP client, a message carrying the
 // header types RabbitMQ itself adds (x-death is a table array, x-delivery-count an integer).

@@ -53,14 +53,11 @@ func TestGuarantees(t *testing.T) {
 	t.Logf("took %s", time.Since(start).Round(time.Millisecond))
 }
 
-// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery
-// figure, on kfake.
-func TestRecoveryAfterSIGKILL(t *testing.T) {
-	if os.Getenv(adaptertest.EnvMeasureRecovery) == "" {
-		t.Skip("set " + adaptertest.EnvMeasureRecovery + "=1 to measure")
-	}
-	cluster := kafkatest.NewCluster(t)
-	adaptertest.MeasureRecovery(t, matrixHarness(cluster.Addrs()))
+// BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figure, on kfake
+// (go test ./adapters/kafka -run '^$' -bench RecoveryAfterSIGKILL).
+func BenchmarkRecoveryAfterSIGKILL(b *testing.B) {
+	cluster := kafkatest.NewCluster(b)
+	adaptertest.BenchmarkRecovery(b, matrixHarness(cluster.Addrs()))
 }
 
 // TestAdapterChild is the matrix's crash child (the test binary re-executed by

@@ -20,8 +20,9 @@ var harness = adaptertest.Harness{
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness) }
 
-// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery figure.
-func TestRecoveryAfterSIGKILL(t *testing.T) { adaptertest.MeasureRecovery(t, harness) }
+// BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figure
+// (go test ./adapters/postgres -run '^$' -bench RecoveryAfterSIGKILL).
+func BenchmarkRecoveryAfterSIGKILL(b *testing.B) { adaptertest.BenchmarkRecovery(b, harness) }
 
 // BenchmarkInboxVsBare: go test ./adapters/postgres -run '^$' -bench . -benchtime 2000x
 func BenchmarkInboxVsBare(b *testing.B) { adaptertest.Benchmark(b, harness, 1) }

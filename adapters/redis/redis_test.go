@@ -68,21 +68,22 @@ func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 // envRecoveryDefaults makes TestAdapterChild use the adapter's default timings.
 const envRecoveryDefaults = "INBOX_RECOVERY_DEFAULTS"
 
-// TestRecoveryAfterSIGKILL (opt-in, INBOX_MEASURE_RECOVERY=1): docs/operations.md's recovery
-// figures, with the adapter's defaults and with this file's test timings.
-func TestRecoveryAfterSIGKILL(t *testing.T) {
-	t.Run("defaults", func(t *testing.T) {
-		adaptertest.MeasureRecovery(t, adaptertest.Harness{
+// BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figures, with the adapter's
+// defaults and with this file's test timings
+// (go test ./adapters/redis -run '^$' -bench RecoveryAfterSIGKILL).
+func BenchmarkRecoveryAfterSIGKILL(b *testing.B) {
+	b.Run("defaults", func(b *testing.B) {
+		adaptertest.BenchmarkRecovery(b, adaptertest.Harness{
 			NewBroker: func(_ *pgxpool.Pool, group string) (*adapters.Broker, error) {
-				cfg := testConfig(t, group)
+				cfg := testConfig(b, group)
 				cfg.MaxIdleTime, cfg.ClaimInterval = 0, 0 // the adapter's defaults
-				return newBroker(t, cfg)
+				return newBroker(b, cfg)
 			},
 			Timeout: 2 * time.Minute,
 			Env:     []string{envRecoveryDefaults + "=1"}, // the child consumer too
 		})
 	})
-	t.Run("test timings", func(t *testing.T) { adaptertest.MeasureRecovery(t, harness(t)) })
+	b.Run("test timings", func(b *testing.B) { adaptertest.BenchmarkRecovery(b, harness(b)) })
 }
 
 func TestConfigValidate(t *testing.T) {

@@ -1,29 +1,21 @@
 package deferred
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"embed"
 	"encoding/hex"
-	"fmt"
-	"io/fs"
-	"path"
-	"sort"
+	"errors"
 	"strconv"
-	"strings"
-	"text/template"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/migrate"
 )
 
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
-
-// migrationsTable records applied migrations per table, in the table's schema (the same table
-// pgstore uses; rows are keyed by the quoted table name, so the two never clash).
-const migrationsTable = "watermill_inbox_migrations"
 
 // Migration is one versioned schema change, rendered for a configured schema and table.
 type Migration struct {
@@ -38,7 +30,7 @@ type Migration struct {
 // names holds the quoted identifiers and the SQL built from them for one table.
 type names struct {
 	schema, table       string // unquoted
-	qtable, versions    string // quoted
+	qtable              string // quoted
 	channel             string // the NOTIFY channel (unquoted)
 	tmpl                map[string]string
 	receiveSQL, hashSQL string
@@ -56,7 +48,6 @@ func newNames(cfg Config) *names {
 	sum := sha256.Sum256([]byte(cfg.Schema + "." + cfg.Table))
 	n := &names{
 		schema: cfg.Schema, table: cfg.Table, qtable: t,
-		versions: pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
 		// A channel name is an identifier (at most 63 bytes): a hash of schema and table
 		// keeps it short and unique per table.
 		channel: "watermill_inbox_deferred_" + hex.EncodeToString(sum[:8]),
@@ -184,46 +175,28 @@ SELECT count(*), pg_notify($6, $1::text)::text FROM r`
 	return n
 }
 
+// migrations is the table's set for the shared runner (internal/migrate): its files rendered
+// for its names, recorded under its quoted table, checked for the table and the version table.
+func (n *names) migrations() migrate.Set {
+	return migrate.Set{
+		Prefix: "deferred",
+		Files:  migrationFiles,
+		Dir:    "migrations",
+		Data:   n.tmpl,
+		Schema: n.schema,
+		Table:  n.qtable,
+		Tables: []string{n.qtable},
+	}
+}
+
 // Migrations returns the migrations in version order, rendered for the inbox's schema and
 // table.
-func (i *Inbox) Migrations() ([]Migration, error) { return i.n.migrations() }
-
-func (n *names) migrations() ([]Migration, error) {
-	entries, err := fs.ReadDir(migrationFiles, "migrations")
+func (i *Inbox) Migrations() ([]Migration, error) {
+	ms, err := i.n.migrations().Migrations()
 	if err != nil {
 		return nil, err
 	}
-	var out []Migration
-	for _, e := range entries {
-		v, err := strconv.Atoi(strings.SplitN(e.Name(), "_", 2)[0])
-		if err != nil || v < 1 {
-			return nil, fmt.Errorf("deferred: migration file %q has no version prefix", e.Name())
-		}
-		raw, err := migrationFiles.ReadFile(path.Join("migrations", e.Name()))
-		if err != nil {
-			return nil, err
-		}
-		tmpl, err := template.New(e.Name()).Option("missingkey=error").Parse(string(raw))
-		if err != nil {
-			return nil, fmt.Errorf("deferred: migration %s: %w", e.Name(), err)
-		}
-		var buf bytes.Buffer
-		if err := tmpl.Execute(&buf, n.tmpl); err != nil {
-			return nil, fmt.Errorf("deferred: migration %s: %w", e.Name(), err)
-		}
-		out = append(out, Migration{Version: v, Name: e.Name(), SQL: buf.String()})
-	}
-	sort.Slice(out, func(a, b int) bool { return out[a].Version < out[b].Version })
-	return out, nil
-}
-
-func (n *names) versionTableSQL() string {
-	return "CREATE TABLE IF NOT EXISTS " + n.versions + ` (
-    table_name text        NOT NULL,
-    version    integer     NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (table_name, version)
-)`
+	return migrate.Converted[Migration](ms), nil
 }
 
 // MigrationSQL returns every migration as one script, for users who run their own migration
@@ -248,81 +221,62 @@ func MigrationSQL(cfg Config) (string, error) {
 }
 
 func (n *names) migrationSQL() (string, error) {
-	ms, err := n.migrations()
-	if err != nil {
-		return "", err
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "-- watermill-inbox store-then-process schema for table %s\nBEGIN;\n", n.qtable)
-	fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", pgx.Identifier{n.schema}.Sanitize())
-	b.WriteString(n.versionTableSQL() + ";\n")
-	for _, m := range ms {
-		fmt.Fprintf(&b, "\n-- %s\n%s\n", m.Name, strings.TrimSpace(m.SQL))
-		fmt.Fprintf(&b, "INSERT INTO %s (table_name, version) VALUES ('%s', %d) ON CONFLICT DO NOTHING;\n",
-			n.versions, strings.ReplaceAll(n.qtable, "'", "''"), m.Version)
-	}
-	b.WriteString("COMMIT;\n")
-	return b.String(), nil
+	return n.migrations().Script("watermill-inbox store-then-process schema")
 }
 
-// migrateLockKey is the advisory lock every Migrate call takes (pgstore's, so the two never
-// migrate one schema at the same moment).
-const migrateLockKey = "watermill-inbox:migrate"
-
-// Migrate applies pending migrations in one transaction under a transaction-level advisory
-// lock, so several instances starting at once apply each migration once. It creates the
-// schema when missing. It returns the versions applied (none when current), or the first
-// error, after which nothing is applied.
+// Migrate first checks, reading only, whether anything is pending (CheckSchema); when nothing
+// is, it returns having written nothing and taken no lock, so an application role without
+// CREATE may call it at start-up. Otherwise it applies the pending migrations in one
+// transaction under a transaction-level advisory lock (pg_advisory_xact_lock, the key pgstore
+// takes too, so the two never migrate one schema at the same moment), so several instances
+// starting at once apply each migration once. It creates the schema when missing (needing
+// CREATE on the database only then). It returns the versions applied (none when current), or
+// the first error, after which nothing is applied.
 func (i *Inbox) Migrate(ctx context.Context) (applied []int, err error) {
-	n := i.n
-	ms, err := n.migrations()
+	applied, _, err = i.n.migrations().Apply(ctx, i.cfg.Pool, nil)
+	return applied, err
+}
+
+// ErrSchemaNotCurrent is wrapped by every *SchemaError: errors.Is(err, ErrSchemaNotCurrent)
+// tells a schema that needs migrating from a database that cannot be reached.
+var ErrSchemaNotCurrent = errors.New("deferred: the store-then-process schema is not current")
+
+// SchemaError is CheckSchema's answer when the schema needs migrating: the tables that do not
+// exist and the migrations not recorded as applied. Run Migrate (or the script of
+// MigrationSQL, or `watermill-inbox deferred migrate`) as a role that may create tables, then
+// check again.
+type SchemaError struct {
+	// Table is the quoted table checked, e.g. "public"."inbox_deferred".
+	Table string
+	// Missing lists the quoted tables that do not exist (or that the role cannot see): the
+	// table, then the version table "<schema>".watermill_inbox_migrations.
+	Missing []string
+	// Pending lists the migrations not recorded as applied, by file name, e.g.
+	// "0001_create_deferred_inbox.sql".
+	Pending []string
+}
+
+func (e *SchemaError) Error() string {
+	return migrate.Describe("deferred", e.Table, e.Missing, e.Pending,
+		"run Migrate or `watermill-inbox deferred migrate` as the schema's owner")
+}
+
+// Unwrap returns ErrSchemaNotCurrent.
+func (e *SchemaError) Unwrap() error { return ErrSchemaNotCurrent }
+
+// CheckSchema reports whether the schema is current, reading only (no DDL, no lock): nil when
+// the table and the version table exist and every migration is recorded as applied; a
+// *SchemaError (wrapping ErrSchemaNotCurrent) naming what is missing or pending; or the
+// database's error, wrapped ("deferred: check schema: ..."). It needs USAGE on the schema and
+// SELECT on the version table only, so it serves as a readiness probe (health.Schema) and as
+// the start-up check of a role that cannot create tables.
+func (i *Inbox) CheckSchema(ctx context.Context) error {
+	st, err := i.n.migrations().Check(ctx, i.cfg.Pool)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	err = pgx.BeginFunc(ctx, i.cfg.Pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", migrateLockKey); err != nil {
-			return fmt.Errorf("deferred: migrate: lock: %w", err)
-		}
-		var exists bool
-		if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", n.schema).Scan(&exists); err != nil {
-			return fmt.Errorf("deferred: migrate: look up schema: %w", err)
-		}
-		if !exists {
-			if _, err := tx.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{n.schema}.Sanitize()); err != nil {
-				return fmt.Errorf("deferred: migrate: create schema: %w", err)
-			}
-		}
-		if _, err := tx.Exec(ctx, n.versionTableSQL()); err != nil {
-			return fmt.Errorf("deferred: migrate: version table: %w", err)
-		}
-		rows, err := tx.Query(ctx, "SELECT version FROM "+n.versions+" WHERE table_name = $1", n.qtable)
-		if err != nil {
-			return fmt.Errorf("deferred: migrate: read versions: %w", err)
-		}
-		versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
-		if err != nil {
-			return fmt.Errorf("deferred: migrate: read versions: %w", err)
-		}
-		done := map[int]bool{}
-		for _, v := range versions {
-			done[int(v)] = true
-		}
-		for _, m := range ms {
-			if done[m.Version] {
-				continue
-			}
-			if _, err := tx.Exec(ctx, m.SQL); err != nil {
-				return fmt.Errorf("deferred: migrate: %s: %w", m.Name, err)
-			}
-			if _, err := tx.Exec(ctx, "INSERT INTO "+n.versions+" (table_name, version) VALUES ($1, $2)", n.qtable, m.Version); err != nil {
-				return fmt.Errorf("deferred: migrate: record %s: %w", m.Name, err)
-			}
-			applied = append(applied, m.Version)
-		}
+	if st.Current() {
 		return nil
-	})
-	if err != nil {
-		return nil, err
 	}
-	return applied, nil
+	return &SchemaError{Table: i.n.qtable, Missing: st.Missing, Pending: st.PendingNames()}
 }

@@ -1,15 +1,14 @@
 package inbox
 
 import (
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 )
 
 // Defaults of Retention (docs/retention.md explains how to choose each).
@@ -161,22 +160,22 @@ func ProducerTimeFromUUIDv7() ProducerTimeFunc {
 }
 
 // UUIDv7Time returns the Unix-millisecond timestamp embedded in a UUIDv7 given in its
-// canonical 36-character form (RFC 9562, section 5.7), and false for any other string.
+// canonical 36-character 8-4-4-4-12 form, hex digits in either case (RFC 9562, section 5.7:
+// the first 48 bits are the Unix time in milliseconds, the version nibble is 7, the variant
+// bits are 10), and false for any other string: another version or variant, another length
+// or form (braces, urn:uuid:, no hyphens), a non-hex digit. It is the one UUIDv7 reader of
+// the module: pgstore's ProducerTimeFromKey calls it too (after requiring lowercase).
 func UUIDv7Time(id string) (time.Time, bool) {
-	if len(id) != 36 || id[8] != '-' || id[13] != '-' || id[18] != '-' || id[23] != '-' || id[14] != '7' {
+	if len(id) != 36 {
 		return time.Time{}, false
 	}
-	var raw [16]byte
-	if _, err := hex.Decode(raw[:], []byte(id[0:8]+id[9:13]+id[14:18]+id[19:23]+id[24:36])); err != nil {
-		return time.Time{}, false
-	}
-	b := raw[:6]
-	if v := id[19]; !strings.ContainsRune("89abAB", rune(v)) { // the RFC 9562 variant
+	u, err := uuid.Parse(id)
+	if err != nil || u.Version() != 7 || u.Variant() != uuid.RFC4122 {
 		return time.Time{}, false
 	}
 	var ms int64
-	for _, c := range b {
-		ms = ms<<8 | int64(c)
+	for _, b := range u[:6] {
+		ms = ms<<8 | int64(b)
 	}
 	return time.UnixMilli(ms), true
 }

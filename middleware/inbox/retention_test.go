@@ -246,3 +246,56 @@ func TestFutureDatedRefusedWithoutDeadLetterTopic(t *testing.T) {
 		t.Fatalf("a guard without a window: %v", err)
 	}
 }
+
+// uuidV7Cases are the inputs of the UUIDv7 reader's table tests: canonical-form UUIDv7s
+// (want: the time; RFC 9562 appendix A.6's example and the 48-bit extremes) and strings that
+// are not (want: zero, refused).
+var uuidV7Cases = []struct {
+	name, id string
+	want     int64 // Unix milliseconds; -1: refused
+}{
+	{"rfc 9562 example", "017f22e2-79b0-7cc3-98c4-dc0c0c07398f", 1645557742000},
+	{"variant 8", "017f22e2-79b0-7cc3-88c4-dc0c0c07398f", 1645557742000},
+	{"variant a", "017f22e2-79b0-7cc3-a8c4-dc0c0c07398f", 1645557742000},
+	{"variant b", "017f22e2-79b0-7cc3-b8c4-dc0c0c07398f", 1645557742000},
+	{"epoch", "00000000-0000-7000-8000-000000000000", 0},
+	{"largest 48-bit time", "ffffffff-ffff-7fff-bfff-ffffffffffff", 1<<48 - 1},
+	{"upper case", "017F22E2-79B0-7CC3-98C4-DC0C0C07398F", 1645557742000},
+	{"mixed case", "017f22E2-79b0-7Cc3-98c4-dc0c0c07398F", 1645557742000},
+	{"version 4", "017f22e2-79b0-4cc3-98c4-dc0c0c07398f", -1},
+	{"version 6", "017f22e2-79b0-6cc3-98c4-dc0c0c07398f", -1},
+	{"version 8", "017f22e2-79b0-8cc3-98c4-dc0c0c07398f", -1},
+	{"nil uuid", "00000000-0000-0000-0000-000000000000", -1},
+	{"variant 0 (NCS)", "017f22e2-79b0-7cc3-08c4-dc0c0c07398f", -1},
+	{"variant 7 (NCS)", "017f22e2-79b0-7cc3-78c4-dc0c0c07398f", -1},
+	{"variant c (Microsoft)", "017f22e2-79b0-7cc3-c8c4-dc0c0c07398f", -1},
+	{"variant f (future)", "017f22e2-79b0-7cc3-f8c4-dc0c0c07398f", -1},
+	{"empty", "", -1},
+	{"35 characters", "017f22e2-79b0-7cc3-98c4-dc0c0c07398", -1},
+	{"37 characters", "017f22e2-79b0-7cc3-98c4-dc0c0c07398f0", -1},
+	{"braces", "{017f22e2-79b0-7cc3-98c4-dc0c0c07398f}", -1},
+	{"urn", "urn:uuid:017f22e2-79b0-7cc3-98c4-dc0c0c07398f", -1},
+	{"no hyphens", "017f22e279b07cc398c4dc0c0c07398f", -1},
+	{"hyphen misplaced", "017f22e27-9b0-7cc3-98c4-dc0c0c07398f", -1},
+	{"non-hex digit", "017f22e2-79b0-7cc3-98c4-dc0c0c07398g", -1},
+	{"space", "017f22e2-79b0-7cc3-98c4-dc0c0c07398 ", -1},
+	{"not a uuid", strings.Repeat("z", 36), -1},
+}
+
+// TestUUIDv7Time: the module's one UUIDv7 reader (pgstore's ProducerTimeFromKey calls it)
+// returns the embedded Unix milliseconds of every canonical-form UUIDv7, either case, and
+// refuses other versions, other variants and malformed strings.
+func TestUUIDv7Time(t *testing.T) {
+	for _, c := range uuidV7Cases {
+		got, ok := inbox.UUIDv7Time(c.id)
+		switch {
+		case c.want < 0 && (ok || !got.IsZero()):
+			t.Errorf("%s: UUIDv7Time(%q) = %v, %v; want refused", c.name, c.id, got, ok)
+		case c.want >= 0 && (!ok || got.UnixMilli() != c.want):
+			t.Errorf("%s: UUIDv7Time(%q) = %v (%d ms), %v; want %d ms", c.name, c.id, got, got.UnixMilli(), ok, c.want)
+		}
+	}
+	if got, _ := inbox.UUIDv7Time(uuidV7Cases[0].id); !got.Equal(time.Date(2022, 2, 22, 19, 22, 22, 0, time.UTC)) {
+		t.Errorf("RFC 9562's example reads as %v, want 2022-02-22T19:22:22Z (its appendix A.6)", got.UTC())
+	}
+}

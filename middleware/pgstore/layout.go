@@ -270,29 +270,15 @@ func canonicalUUID(id string) bool {
 	return true
 }
 
-// uuidV7Time returns the Unix-millisecond timestamp of a canonical lowercase UUIDv7 (RFC
-// 9562, section 5.7: the first 48 bits; version nibble 7; variant 10xx).
+// uuidV7Time returns the Unix-millisecond timestamp (UTC) of a canonical lowercase UUIDv7:
+// inbox.UUIDv7Time, restricted to lowercase so that exactly the keys uuidV7Pattern matches in
+// LayoutMigrationSQL's conversion are accepted.
 func uuidV7Time(id string) (time.Time, bool) {
-	if !canonicalUUID(id) || id[14] != '7' {
+	if !canonicalUUID(id) {
 		return time.Time{}, false
 	}
-	switch id[19] {
-	case '8', '9', 'a', 'b':
-	default:
-		return time.Time{}, false
-	}
-	var ms int64
-	for _, c := range id[0:8] + id[9:13] {
-		ms = ms<<4 | int64(hexVal(byte(c)))
-	}
-	return time.UnixMilli(ms).UTC(), true
-}
-
-func hexVal(c byte) byte {
-	if c >= 'a' {
-		return c - 'a' + 10
-	}
-	return c - '0'
+	t, ok := inbox.UUIDv7Time(id)
+	return t.UTC(), ok
 }
 
 // CompactHashBytes is how many leading bytes of the payload's SHA-256 the compact layout

@@ -1,21 +1,14 @@
 package pgstore
 
 import (
-	"bytes"
 	"context"
 	"embed"
-	"errors"
 	"fmt"
-	"io/fs"
-	"path"
-	"sort"
-	"strconv"
-	"strings"
-	"text/template"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/migrate"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -23,7 +16,7 @@ import (
 var migrationFiles embed.FS
 
 // migrationsTable records applied migrations per inbox table, in the inbox table's schema.
-const migrationsTable = "watermill_inbox_migrations"
+const migrationsTable = migrate.VersionsTable
 
 // Migration is one versioned schema change, rendered for a configured schema and table.
 type Migration struct {
@@ -46,151 +39,62 @@ type migrationNames struct {
 	Partitioned       bool
 }
 
+// migrations is the store's set for the shared runner (internal/migrate): its files rendered
+// for its names, recorded under its quoted table, checked for the inbox, attempts and
+// version tables.
+func (s *Store) migrations() migrate.Set {
+	return migrate.Set{
+		Prefix: "pgstore",
+		Files:  migrationFiles,
+		Dir:    "migrations",
+		Data: migrationNames{
+			Table:             s.table,
+			TableLiteral:      quoteLiteral(s.table),
+			ReceivedAtIndex:   pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
+			Attempts:          s.attempts,
+			AttemptsDeadIndex: pgx.Identifier{s.cfg.Table + "_dead_idx"}.Sanitize(),
+			Consumers:         s.consumers,
+			Compact:           s.cfg.Layout == LayoutCompact,
+			Partitioned:       s.cfg.Partitioning != nil,
+		},
+		Schema: s.cfg.Schema,
+		Table:  s.table,
+		Tables: []string{s.table, s.attempts},
+	}
+}
+
 // Migrations returns the store's migrations in version order, rendered for its schema and
 // table. Use MigrationSQL to get them as one script.
 func (s *Store) Migrations() ([]Migration, error) {
-	entries, err := fs.ReadDir(migrationFiles, "migrations")
+	ms, err := s.migrations().Migrations()
 	if err != nil {
 		return nil, err
 	}
-	names := migrationNames{
-		Table:             s.table,
-		TableLiteral:      quoteLiteral(s.table),
-		ReceivedAtIndex:   pgx.Identifier{s.cfg.Table + "_received_at_idx"}.Sanitize(),
-		Attempts:          s.attempts,
-		AttemptsDeadIndex: pgx.Identifier{s.cfg.Table + "_dead_idx"}.Sanitize(),
-		Consumers:         s.consumers,
-		Compact:           s.cfg.Layout == LayoutCompact,
-		Partitioned:       s.cfg.Partitioning != nil,
-	}
-	var out []Migration
-	for _, e := range entries {
-		v, err := strconv.Atoi(strings.SplitN(e.Name(), "_", 2)[0])
-		if err != nil || v < 1 {
-			return nil, fmt.Errorf("pgstore: migration file %q has no version prefix", e.Name())
-		}
-		raw, err := migrationFiles.ReadFile(path.Join("migrations", e.Name()))
-		if err != nil {
-			return nil, err
-		}
-		tmpl, err := template.New(e.Name()).Option("missingkey=error").Parse(string(raw))
-		if err != nil {
-			return nil, fmt.Errorf("pgstore: migration %s: %w", e.Name(), err)
-		}
-		var buf bytes.Buffer
-		if err := tmpl.Execute(&buf, names); err != nil {
-			return nil, fmt.Errorf("pgstore: migration %s: %w", e.Name(), err)
-		}
-		out = append(out, Migration{Version: v, Name: e.Name(), SQL: buf.String()})
-	}
-	sort.Slice(out, func(a, b int) bool { return out[a].Version < out[b].Version })
-	return out, nil
+	return migrate.Converted[Migration](ms), nil
 }
 
 // MigrationSQL returns every migration as one SQL script, for users who run their own
 // migration tool. The script creates the schema when missing, creates the version table and
 // records each version, so a later Migrate call sees them applied and does nothing.
 func (s *Store) MigrationSQL() (string, error) {
-	ms, err := s.Migrations()
-	if err != nil {
-		return "", err
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "-- watermill-inbox schema for table %s\nBEGIN;\n", s.table)
-	fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", pgx.Identifier{s.cfg.Schema}.Sanitize())
-	b.WriteString(s.versionTableSQL() + ";\n")
-	for _, m := range ms {
-		fmt.Fprintf(&b, "\n-- %s\n%s\n", m.Name, strings.TrimSpace(m.SQL))
-		fmt.Fprintf(&b, "INSERT INTO %s (table_name, version) VALUES (%s, %d) ON CONFLICT DO NOTHING;\n",
-			s.versions, quoteLiteral(s.table), m.Version)
-	}
-	b.WriteString("COMMIT;\n")
-	return b.String(), nil
+	return s.migrations().Script("watermill-inbox schema")
 }
-
-func (s *Store) versionTableSQL() string {
-	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
-    table_name text        NOT NULL,
-    version    integer     NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (table_name, version)
-)`, s.versions)
-}
-
-// migrateLockKey is the advisory lock every Migrate call takes, so several instances starting
-// at once apply each migration exactly once: the others wait, then find it recorded.
-const migrateLockKey = "watermill-inbox:migrate"
 
 // Migrate first checks, reading only, whether anything is pending (CheckSchema); when nothing
 // is, it verifies the inbox key and returns, having written nothing, so an application role
-// without CREATE may call it at start-up. Otherwise it applies pending migrations in one transaction, under a transaction-level advisory
-// lock (pg_advisory_xact_lock), so it is safe when several instances start at once. It
-// creates the schema when it does not exist (needing CREATE on the database only then), and
-// verifies that the inbox table has the configured layout (see verifyKey): an error
-// wrapping inbox.ErrInvalidConfig reports a pre-existing table of the same name with another
-// layout or other keys. In partitioned mode it then creates the partitions of the previous,
-// current and next periods (PartitionManager keeps the rest: the lead and the window). It returns the versions it applied (none when the schema is current) or the first
-// error, after which nothing is applied.
+// without CREATE may call it at start-up. Otherwise it applies pending migrations in one
+// transaction, under a transaction-level advisory lock (pg_advisory_xact_lock), so it is safe
+// when several instances start at once. It creates the schema when it does not exist (needing
+// CREATE on the database only then), and verifies that the inbox table has the configured
+// layout (see verifyKey): an error wrapping inbox.ErrInvalidConfig reports a pre-existing
+// table of the same name with another layout or other keys. In partitioned mode it then
+// creates the partitions of the previous, current and next periods (PartitionManager keeps
+// the rest: the lead and the window). It returns the versions it applied (none when the
+// schema is current) or the first error, after which nothing is applied.
 func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
-	// Read-only first: when nothing is pending, Migrate needs no DDL right, no lock and no
-	// write, so a least-privileged application role may call it at start-up.
-	if _, err := s.pending(ctx, s.pool); err == nil {
-		if err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.verifyKey(ctx, tx) }); err != nil {
-			return nil, err
-		}
-		return nil, nil
-	} else if !errors.Is(err, ErrSchemaNotCurrent) {
-		return nil, err
-	}
-	ms, err := s.Migrations()
-	if err != nil {
-		return nil, err
-	}
-	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", migrateLockKey); err != nil {
-			return fmt.Errorf("pgstore: migrate: lock: %w", err)
-		}
-		// CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
-		// exists, which an application role often lacks: create it only when missing.
-		var schemaExists bool
-		if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", s.cfg.Schema).Scan(&schemaExists); err != nil {
-			return fmt.Errorf("pgstore: migrate: look up schema: %w", err)
-		}
-		if !schemaExists {
-			if _, err := tx.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{s.cfg.Schema}.Sanitize()); err != nil {
-				return fmt.Errorf("pgstore: migrate: create schema: %w", err)
-			}
-		}
-		if _, err := tx.Exec(ctx, s.versionTableSQL()); err != nil {
-			return fmt.Errorf("pgstore: migrate: version table: %w", err)
-		}
-		done := map[int]bool{}
-		rows, err := tx.Query(ctx, "SELECT version FROM "+s.versions+" WHERE table_name = $1", s.table)
-		if err != nil {
-			return fmt.Errorf("pgstore: migrate: read versions: %w", err)
-		}
-		versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
-		if err != nil {
-			return fmt.Errorf("pgstore: migrate: read versions: %w", err)
-		}
-		for _, v := range versions {
-			done[int(v)] = true
-		}
-		for _, m := range ms {
-			if done[m.Version] {
-				continue
-			}
-			if _, err := tx.Exec(ctx, m.SQL); err != nil {
-				return fmt.Errorf("pgstore: migrate: %s: %w", m.Name, err)
-			}
-			if _, err := tx.Exec(ctx, "INSERT INTO "+s.versions+" (table_name, version) VALUES ($1, $2)", s.table, m.Version); err != nil {
-				return fmt.Errorf("pgstore: migrate: record %s: %w", m.Name, err)
-			}
-			applied = append(applied, m.Version)
-		}
-		return s.verifyKey(ctx, tx)
-	})
-	if err != nil {
+	applied, locked, err := s.migrations().Apply(ctx, s.pool, s.verifyKey)
+	if err != nil || !locked {
+		// Current at the read-only check: the partitions are PartitionManager's.
 		return nil, err
 	}
 	if s.cfg.Partitioning != nil {
@@ -204,11 +108,9 @@ func (s *Store) Migrate(ctx context.Context) (applied []int, err error) {
 	return applied, nil
 }
 
-// quoteLiteral quotes s as a standard-conforming SQL string literal. Inputs here are quoted
-// identifiers built from validated names, never user data.
-func quoteLiteral(s string) string {
-	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
-}
+// quoteLiteral quotes s as a standard-conforming SQL string literal (migrate.QuoteLiteral).
+// Inputs here are quoted identifiers built from validated names, never user data.
+var quoteLiteral = migrate.QuoteLiteral
 
 // MigrationSQL returns the migration script (see Store.MigrationSQL) for cfg without a
 // database connection, or an error wrapping inbox.ErrInvalidConfig for invalid names.
