@@ -235,7 +235,7 @@ type signalSession struct {
 	// lease: how long after a successful heartbeat's sending FirstDelivery may be given;
 	// interval: the pause between heartbeats.
 	lease, interval time.Duration
-	mu sync.Mutex
+	mu              sync.Mutex
 	// hw: high watermarks read in Setup, each taken by the first claim of its partition (a
 	// partition revoked and given back within one cooperative session reads its own).
 	hw map[topicPartition]int64
