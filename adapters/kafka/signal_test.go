@@ -16,6 +16,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -148,20 +149,36 @@ func TestFirstDeliverySignalOff(t *testing.T) {
 	const topic = "signal_off"
 	cluster := kafkatest.NewCluster(t, kafkatest.Topic{Name: topic, Partitions: 1})
 	pub := newPublisher(t, cluster.Addrs())
-	for name, mod := range map[string]func(*kafka.Config){
-		"version 2.1": func(c *kafka.Config) { c.SaramaVersion = sarama.V2_1_0_0 },
-	} {
-		t.Run(name, func(t *testing.T) {
-			msgs, _ := signalSub(t, cluster.Addrs(), "g-"+name, topic, mod)
-			warmUp(t, pub, msgs, topic, 1)
-			publishKeyed(t, pub, topic, "off-"+name, "")
-			m := receive(t, msgs, "new record")
-			if got := kafka.Redelivery(m); got != inbox.RedeliveryUnknown {
-				t.Errorf("%s: %v, want RedeliveryUnknown", name, got)
-			}
-			m.Ack()
-		})
+	check := func(t *testing.T, name string, msgs <-chan *message.Message) {
+		warmUp(t, pub, msgs, topic, 1)
+		publishKeyed(t, pub, topic, "off-"+name, "")
+		m := receive(t, msgs, "new record")
+		if got := kafka.Redelivery(m); m.UUID != "off-"+name || got != inbox.RedeliveryUnknown {
+			t.Errorf("%s: %s read %v, want off-%s RedeliveryUnknown", name, m.UUID, got, name)
+		}
+		m.Ack()
 	}
+	t.Run("version 2.1", func(t *testing.T) {
+		msgs, _ := signalSub(t, cluster.Addrs(), "g-v21", topic, func(c *kafka.Config) { c.SaramaVersion = sarama.V2_1_0_0 })
+		check(t, "v21", msgs)
+	})
+	t.Run("static membership", func(t *testing.T) {
+		sc, err := testKafkaConfig(cluster.Addrs(), "g-static").SubscriberConfig()
+		if err != nil {
+			t.Fatal(err)
+		}
+		sc.OverwriteSaramaConfig.Consumer.Group.InstanceId = "instance-1" // changed in place
+		sub, err := wmkafka.NewSubscriber(sc, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sub.Close()
+		msgs, err := sub.Subscribe(context.Background(), topic)
+		if err != nil {
+			t.Fatal(err)
+		}
+		check(t, "static", msgs)
+	})
 }
 
 // TestFirstDeliverySignalAfterConsumerStops: records a consumer fetched and did not ack (so
@@ -494,4 +511,101 @@ func TestFirstDeliverySignalZombie(t *testing.T) {
 		}
 	}
 	t.Logf("zombie A delivered %d fresh records, B %d", len(seen["A"]), len(seen["B"]))
+}
+
+// TestInboxCountsKafkaRedeliveryFirst: the signal in the inbox, by the attempts table. A poison
+// record published while consumer 1 holds the partition is a first delivery: its handler runs
+// with no attempt recorded. Consumer 1 stops during that run (no ack, no commit; the run is
+// abandoned and leaves no count, as a consumer that dies there would). Consumer 2 takes the
+// partition and receives the record again: a possible redelivery, counted before each handler
+// run from then on. The message is dead-lettered after MaxAttempts counted runs: MaxAttempts + 1
+// runs in all, the worst case docs/design.md states. A redelivery misread as a first delivery
+// would show a run that began with no new count.
+func TestInboxCountsKafkaRedeliveryFirst(t *testing.T) {
+	const topic = "signal_inbox"
+	const dlTopic = "signal_inbox_dead"
+	const maxAttempts = 3
+	cluster := kafkatest.NewCluster(t, kafkatest.Topic{Name: topic, Partitions: 1}, kafkatest.Topic{Name: dlTopic, Partitions: 1})
+	schema := testenv.NewSchema(t, 8)
+	store := setupBank(t, schema, 1)
+	pub := newPublisher(t, cluster.Addrs())
+
+	newInbox := func() *inbox.Inbox {
+		ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: bankConsumerName,
+			DeadLetterPublisher: pub, DeadLetterTopic: dlTopic, MaxAttempts: maxAttempts,
+			Redelivery: kafka.Redelivery}, newTestLogger(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ib
+	}
+	// attemptsNow reads the message's recorded attempts from another connection (0: no row).
+	attemptsNow := func(id string) int64 {
+		return queryInt(t, schema.Pool, "SELECT coalesce(sum(attempts), 0) FROM "+store.AttemptsTable()+" WHERE message_id = $1", id)
+	}
+	var mu sync.Mutex
+	var seen []int64 // attempts recorded when each handler run began
+	release := make(chan struct{})
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		n := attemptsNow(msg.UUID)
+		mu.Lock()
+		seen = append(seen, n)
+		first := len(seen) == 1
+		mu.Unlock()
+		if first {
+			<-release // run 1 is still going when consumer 1 stops
+		}
+		return nil, fmt.Errorf("poison %s", msg.UUID)
+	}
+
+	msgs1, close1 := signalSub(t, cluster.Addrs(), "g", topic, nil)
+	warmUp(t, pub, msgs1, topic, 1)
+	publishKeyed(t, pub, topic, "poison-1", "")
+	m1 := receive(t, msgs1, "poison-1 on consumer 1")
+	run1 := make(chan error, 1)
+	go func() {
+		_, err := newInbox().Middleware(handler)(m1)
+		run1 <- err
+	}()
+	waitUntil(t, 10*time.Second, "run 1 to start", func() (bool, string) {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(seen) == 1, ""
+	})
+	close1()
+	close(release)
+	<-run1
+
+	msgs2, _ := signalSub(t, cluster.Addrs(), "g", topic, nil)
+	ib2 := newInbox()
+	for run := 2; ; run++ {
+		m := receive(t, msgs2, fmt.Sprintf("poison-1, run %d", run))
+		if m.UUID != "poison-1" {
+			t.Fatalf("run %d: got %q", run, m.UUID)
+		}
+		_, err := ib2.Middleware(handler)(m)
+		if err == nil {
+			m.Ack() // dead-lettered
+			break
+		}
+		m.Nack()
+		if run > maxAttempts+2 {
+			t.Fatalf("still not dead-lettered after %d runs", run)
+		}
+	}
+
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []int64{0, 1, 2, 3}; fmt.Sprint(seen) != fmt.Sprint(want) {
+		t.Errorf("attempts recorded when each run began = %v, want %v (run 1 uncounted, every later run counted first)", seen, want)
+	}
+	if n := queryInt(t, schema.Pool, "SELECT count(*) FROM "+store.AttemptsTable()+" WHERE message_id = 'poison-1' AND dead_lettered_at IS NOT NULL AND attempts = $1", maxAttempts); n != 1 {
+		t.Errorf("attempt rows of poison-1 dead-lettered after %d attempts: %d, want 1", maxAttempts, n)
+	}
+	if n := queryInt(t, schema.Pool, "SELECT count(*) FROM "+store.Table()+" WHERE message_id = 'poison-1'"); n != 0 {
+		t.Errorf("inbox rows of poison-1: %d, want 0 (never processed)", n)
+	}
+	if end := kafkatest.EndOffsets(t, cluster.Addrs(), dlTopic); end[0] != 1 {
+		t.Errorf("dead-letter topic holds %d records, want 1", end[0])
+	}
 }
