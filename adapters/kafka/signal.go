@@ -190,7 +190,21 @@ func (h *signalHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sar
 		defer close(forwarded)
 		defer close(fc.out)
 		next := x // the lowest offset that may still be a first delivery in this claim
-		for rec := range claim.Messages() {
+		records := claim.Messages()
+		for {
+			// Waiting for a record watches done too: watermill-kafka's handler can return
+			// while the claim lives on (an unmarshal error), and sarama closes the claim's
+			// channel only after ConsumeClaim returned.
+			var rec *sarama.ConsumerMessage
+			select {
+			case r, ok := <-records:
+				if !ok {
+					return
+				}
+				rec = r
+			case <-done:
+				return
+			}
 			eligible := rec.Offset >= next
 			if eligible {
 				next = rec.Offset + 1

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	wmprobe "github.com/ThreeDotsLabs/watermill"
 	"context"
 	"flag"
 	"fmt"
@@ -226,7 +227,7 @@ func benchDrain(b *testing.B, broker string) {
 	}
 	var runs []*running
 	for i, m := range modes {
-		r, err := router.New(cfg, sch.Pool, nil)
+		r, err := router.New(cfg, sch.Pool, wmprobe.NewStdLogger(false, false)) // PROBE
 		if err != nil {
 			b.Fatal(err)
 		}
