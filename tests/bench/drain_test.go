@@ -1,7 +1,6 @@
 package bench
 
 import (
-	wmprobe "github.com/ThreeDotsLabs/watermill"
 	"context"
 	"flag"
 	"fmt"
@@ -227,7 +226,7 @@ func benchDrain(b *testing.B, broker string) {
 	}
 	var runs []*running
 	for i, m := range modes {
-		r, err := router.New(cfg, sch.Pool, wmprobe.NewStdLogger(false, false)) // PROBE
+		r, err := router.New(cfg, sch.Pool, nil)
 		if err != nil {
 			b.Fatal(err)
 		}
