@@ -15,15 +15,17 @@ import (
 
 // TestRedeliverySignalPerBroker reads Broker.Redelivery on a first delivery and on the
 // redelivery after a Nack, on the real brokers. Where a broker has no trustworthy signal the
-// adapter must say RedeliveryUnknown both times (docs/adapters.md): postgres, kafka and redis
-// re-send a nacked message in process or expose no count; goaws always reports an
+// adapter must say RedeliveryUnknown both times (docs/adapters.md): postgres and redis
+// re-send a nacked message in process or expose no count; kafka's first delivery of a record
+// appended after its consumer was assigned the partition is FirstDelivery, the in-process
+// re-send after a nack RedeliveryUnknown; goaws always reports an
 // ApproximateReceiveCount of 1 on a standard queue, which the sqs adapter reads as unknown
 // (SQS's Redelivered case is covered by TestSQSRedeliveryFromReceiveCount, not on goaws).
 func TestRedeliverySignalPerBroker(t *testing.T) {
 	want := map[string][2]inbox.Redelivery{
 		"postgres": {inbox.RedeliveryUnknown, inbox.RedeliveryUnknown},
 		"amqp":     {inbox.FirstDelivery, inbox.Redelivered},
-		"kafka":    {inbox.RedeliveryUnknown, inbox.RedeliveryUnknown},
+		"kafka":    {inbox.FirstDelivery, inbox.RedeliveryUnknown},
 		"sqs":      {inbox.RedeliveryUnknown, inbox.RedeliveryUnknown},
 		"nats":     {inbox.FirstDelivery, inbox.Redelivered},
 		"redis":    {inbox.RedeliveryUnknown, inbox.RedeliveryUnknown},
@@ -53,6 +55,20 @@ func TestRedeliverySignalPerBroker(t *testing.T) {
 			msgs, err := sub.Subscribe(ctx, topic)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if cfg.Broker == "kafka" {
+				// Kafka: only a record appended after the session read the partitions' high
+				// watermarks (in its Setup, before any record is delivered) is a first
+				// delivery. One delivered record shows the session is there.
+				if err := b.Publisher.Publish(topic, message.NewMessage("warm-up", []byte(`{}`))); err != nil {
+					t.Fatal(err)
+				}
+				select {
+				case m := <-msgs:
+					m.Ack()
+				case <-ctx.Done():
+					t.Fatal("warm-up never came")
+				}
 			}
 			if err := b.Publisher.Publish(topic, message.NewMessage("m-1", []byte(`{}`))); err != nil {
 				t.Fatal(err)

@@ -41,8 +41,17 @@ func TestSubscriberConfigIsAtLeastOnce(t *testing.T) {
 		s.Consumer.Group.Rebalance.Timeout != kafka.DefaultRebalanceTimeout {
 		t.Errorf("group timeouts %s/%s/%s", s.Consumer.Group.Session.Timeout, s.Consumer.Group.Heartbeat.Interval, s.Consumer.Group.Rebalance.Timeout)
 	}
-	if _, ok := sc.Unmarshaler.(wmkafka.DefaultMarshaler); !ok || sc.ConsumerGroup != "billing" {
-		t.Errorf("unmarshaler %T group %q", sc.Unmarshaler, sc.ConsumerGroup)
+	if sc.ConsumerGroup != "billing" {
+		t.Errorf("group %q", sc.ConsumerGroup)
+	}
+	// The Unmarshaler is the DefaultMarshaler behind the first-delivery signal's wrapper, and
+	// the Tracer hook carries the signal's consumer-group handler.
+	rec := &sarama.ConsumerMessage{Value: []byte("p"), Headers: []*sarama.RecordHeader{{Key: []byte(wmkafka.UUIDHeaderKey), Value: []byte("u-1")}}}
+	if m, err := sc.Unmarshaler.Unmarshal(rec); err != nil || m.UUID != "u-1" || string(m.Payload) != "p" {
+		t.Errorf("unmarshaler %T: %v, %v", sc.Unmarshaler, m, err)
+	}
+	if sc.Tracer == nil {
+		t.Error("no Tracer: the first-delivery signal is not installed")
 	}
 	if sc.NackResendSleep != kafka.DefaultNackResendSleep || sc.ReconnectRetrySleep != kafka.DefaultReconnectRetrySleep {
 		t.Errorf("sleeps %s %s", sc.NackResendSleep, sc.ReconnectRetrySleep)

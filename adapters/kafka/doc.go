@@ -56,6 +56,14 @@
 //     ConsumeClaim and sarama stops that partition until the next rebalance, which starts it
 //     again at the same record); the DefaultMarshaler never fails.
 //
+// # Redelivery signal
+//
+// Redelivery (the Broker's Redelivery) reads FirstDelivery for a record appended after the
+// consuming session was assigned its partition, RedeliveryUnknown for every other delivery
+// (records already in the log then, a nacked record's re-send); signal.go gives the reasoning
+// and docs/adapters.md ("Kafka's first-delivery signal") the rule, the lease that keeps a
+// member removed from the group from reading FirstDelivery, and the cases where it is off.
+//
 // The processing order is per partition. Messages that must be applied in order (all payments
 // of one account) must share a partition: set Config.PartitionKey.
 package kafka

@@ -229,7 +229,12 @@ var errNoGroup = invalid("ConsumerGroup is required: without a group watermill-k
 // (defaults applied, validated), for callers that need a sarama setting Config does not
 // expose. Changing it can break at-least-once: keep Consumer.Offsets.AutoCommit as set (only
 // watermill-kafka's marks, made after the ack, may be committed) and never mark or commit
-// offsets elsewhere. Errors wrap inbox.ErrInvalidConfig.
+// offsets elsewhere. Its Unmarshaler (Config.Marshaler, wrapped) and Tracer (a wrapper of
+// the consumer-group handler, no tracing) give the first-delivery signal that Redelivery
+// reads; replace either and Redelivery returns inbox.RedeliveryUnknown for that subscriber's
+// messages. Change OverwriteSaramaConfig in place rather than replacing it: the signal reads
+// it (static membership, Consumer.Group.InstanceId, turns the signal off). Errors wrap
+// inbox.ErrInvalidConfig.
 func (c Config) SubscriberConfig() (wmkafka.SubscriberConfig, error) {
 	if err := c.Validate(); err != nil {
 		return wmkafka.SubscriberConfig{}, err
@@ -254,13 +259,17 @@ func (c Config) SubscriberConfig() (wmkafka.SubscriberConfig, error) {
 	if err := sc.Validate(); err != nil {
 		return wmkafka.SubscriberConfig{}, invalid("sarama: " + err.Error())
 	}
+	brokers := append([]string(nil), c.Brokers...)
 	return wmkafka.SubscriberConfig{
-		Brokers:               append([]string(nil), c.Brokers...),
-		Unmarshaler:           c.Marshaler,
+		Brokers:               brokers,
+		Unmarshaler:           signalUnmarshaler{inner: c.Marshaler},
 		OverwriteSaramaConfig: sc,
 		ConsumerGroup:         c.ConsumerGroup,
 		NackResendSleep:       c.NackResendSleep,
 		ReconnectRetrySleep:   c.ReconnectRetrySleep,
+		Tracer: &signalTracer{
+			brokers: brokers, group: c.ConsumerGroup, sarama: sc, logger: watermill.NopLogger{},
+		},
 	}, nil
 }
 
@@ -304,7 +313,11 @@ func NewSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscrib
 	if err != nil {
 		return nil, err
 	}
-	sub, err := wmkafka.NewSubscriber(sc, redact.Logger(logger, cfg.Brokers...))
+	logger = redact.Logger(logger, cfg.Brokers...)
+	if t, ok := sc.Tracer.(*signalTracer); ok && logger != nil {
+		t.logger = logger
+	}
+	sub, err := wmkafka.NewSubscriber(sc, logger)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: subscriber: %w", redact.Err(err, cfg.Brokers...))
 	}
@@ -335,9 +348,9 @@ func NewPublisher(cfg Config, logger watermill.LoggerAdapter) (message.Publisher
 // NewSubscriber builds a subscriber of another consumer group on the same Config: each group
 // has its own committed offsets and reads every record of a topic; a group without committed
 // offsets starts at InitialOffset (the oldest retained record by default), so records
-// published before it first subscribed are read unless retention deleted them. Redelivery is
-// adapters.UnknownRedelivery: watermill-kafka exposes no delivery count, re-sends a nacked
-// record in process, and a record redelivered after a rebalance or crash looks like a new one.
+// published before it first subscribed are read unless retention deleted them. The Broker's
+// Redelivery is this package's Redelivery: FirstDelivery for a record appended after the
+// consuming session was assigned its partition, RedeliveryUnknown otherwise.
 //
 // Topics are not created by the adapter: the brokers must create them on first use
 // (auto.create.topics.enable, Kafka's default, with num.partitions partitions) or an operator
@@ -367,7 +380,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	}
 	return &adapters.Broker{
 		Name: Name, Publisher: pub, Subscriber: sub, NewSubscriber: newSub,
-		BrokerSideFields: BrokerSideFields, Redelivery: adapters.UnknownRedelivery,
+		BrokerSideFields: BrokerSideFields, Redelivery: Redelivery,
 	}, nil
 }
 

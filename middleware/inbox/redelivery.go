@@ -9,12 +9,14 @@ import "github.com/ThreeDotsLabs/watermill/message"
 type Redelivery int
 
 const (
-	// RedeliveryUnknown: the broker gives no signal the inbox can trust (Kafka, watermill-sql,
-	// GoChannel). The inbox treats the delivery as a possible redelivery.
+	// RedeliveryUnknown: the broker gives no signal the inbox can trust (watermill-sql,
+	// GoChannel; a Kafka record already in the log when its partition was assigned). The inbox
+	// treats the delivery as a possible redelivery.
 	RedeliveryUnknown Redelivery = iota
 	// FirstDelivery: the broker guarantees that no earlier delivery of this message reached a
-	// consumer (AMQP's redelivered flag is false; SQS's ApproximateReceiveCount is 1; a NATS
-	// JetStream delivery count of 1).
+	// consumer (AMQP's redelivered flag is false; SQS's ApproximateReceiveCount is 1 on a FIFO
+	// queue; a NATS JetStream delivery count of 1; a Kafka record appended after its consumer
+	// was assigned the partition).
 	FirstDelivery
 	// Redelivered: the broker says the message may have been delivered before (AMQP's
 	// redelivered flag, a delivery count above 1).

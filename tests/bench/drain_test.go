@@ -126,8 +126,10 @@ func drainModes() []drainMode {
 		{name: "inbox-dlq", add: func(e *drainEnv, r *router.Router, topic string, handlers int) (func() uint64, error) {
 			// With a dead-letter topic: durable attempt counting, with the broker's own
 			// redelivery signal (router.NewInbox fills it in): AMQP and NATS signal first
-			// deliveries; Kafka, watermill-sql, Redis Streams and SQS standard queues do not,
-			// so every delivery there is counted before its handler runs.
+			// deliveries, Kafka those of records appended after the consumer was assigned
+			// their partition (the backlog here is published after the consumers joined);
+			// watermill-sql, Redis Streams and SQS standard queues do not, so every delivery
+			// there is counted before its handler runs.
 			return addInbox(e, r, topic, handlers, inbox.Config{Store: e.store, ConsumerName: "inbox_dlq",
 				DeadLetterPublisher: r.Broker.Publisher, DeadLetterTopic: topic + "_dead"})
 		}},
