@@ -2,10 +2,13 @@ package pgstore_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/url"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -259,5 +262,196 @@ func TestClaimBehindAClaimInFlightAlwaysSaysSo(t *testing.T) {
 			}
 			t.Logf("%d of 40 tries misreported", wrong)
 		})
+	}
+}
+
+// TestReview4MigratedCompactRowsPurgeAndHashes: a first-version compact table (plain and
+// partitioned) holding rows received at known seconds of one minute and the next, with
+// payload hashes whose first byte has its high bit set (negative as an integer), is migrated
+// by 0003; then each row's duplicate still reports the first 2 bytes of its own hash, another
+// payload is told apart, and purge never deletes a row received at or after Before (minute
+// resolution may only keep rows longer).
+func TestReview4MigratedCompactRowsPurgeAndHashes(t *testing.T) {
+	ctx := context.Background()
+	for _, part := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", part), func(t *testing.T) {
+			cfg := pgstore.Config{Layout: pgstore.LayoutCompact}
+			if part {
+				cfg.Partitioning = &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}
+			}
+			sch := testenv.NewSchema(t, 2)
+			cfg.Schema = sch.Name
+			s, err := pgstore.New(sch.Pool, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			script, err := s.MigrationSQL()
+			if err != nil {
+				t.Fatal(err)
+			}
+			cut := strings.Index(script, "\n-- 0003_")
+			if cut < 0 {
+				t.Fatal("no migration 0003")
+			}
+			sch.Exec(t, script[:cut]+"\nCOMMIT;")
+			now := time.Now()
+			if part {
+				if _, err := s.EnsurePartitions(ctx, now, now); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var consumer int16
+			if err := sch.Pool.QueryRow(ctx, "INSERT INTO "+s.ConsumersTable()+" (consumer_name) VALUES ('billing') RETURNING consumer_id").Scan(&consumer); err != nil {
+				t.Fatal(err)
+			}
+			minute := now.Add(-3 * time.Hour).Truncate(time.Minute)
+			offsets := []time.Duration{0, 30 * time.Second, time.Minute - time.Millisecond, time.Minute, time.Minute + 30*time.Second, 2 * time.Minute}
+			type row struct {
+				id   string
+				at   time.Time
+				hash [32]byte
+			}
+			var rows []row
+			for i, off := range offsets {
+				// A payload whose hash starts with a byte >= 0x80 (negative big-endian integer)
+				// for every other row.
+				var h [32]byte
+				for n := 0; ; n++ {
+					h = sha256.Sum256([]byte(fmt.Sprintf("p-%d-%d", i, n)))
+					if (h[0] >= 0x80) == (i%2 == 0) {
+						break
+					}
+				}
+				r := row{id: uuid7(fmt.Sprintf("v1-%d", i), now), at: minute.Add(off), hash: h}
+				rows = append(rows, r)
+				cols, vals, args := "message_id, consumer_id, payload_hash, received_at", "$1::uuid, $2, $3, $4", []any{r.id, consumer, int32(binary.BigEndian.Uint32(h[:4])), r.at}
+				if part {
+					cols, vals, args = cols+", period", vals+", $5", append(args, pgstore.PeriodOf(now, pgstore.PartitionDaily))
+				}
+				sch.Exec(t, "INSERT INTO "+s.Table()+" ("+cols+") VALUES ("+vals+")", args...)
+			}
+			if applied, err := s.Migrate(ctx); err != nil || len(applied) != 1 {
+				t.Fatalf("migrate: %v %v", applied, err)
+			}
+			for i, r := range rows {
+				tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: r.id, ConsumerName: "billing"}, PayloadHash: r.hash[:], ProducerTime: now})
+				if err != nil || res.Claimed || tx != nil {
+					t.Fatalf("row %d after 0003: %v %+v, want a duplicate", i, err, res)
+				}
+				if string(res.StoredPayloadHash) != string(r.hash[:2]) {
+					t.Errorf("row %d: stored hash %x, want %x", i, res.StoredPayloadHash, r.hash[:2])
+				}
+				other := rows[(i+1)%len(rows)].hash
+				if string(other[:2]) != string(r.hash[:2]) && strings.HasPrefix(string(other[:]), string(res.StoredPayloadHash)) {
+					t.Errorf("row %d: another payload is not told apart", i)
+				}
+			}
+			left := func() map[string]bool {
+				got := map[string]bool{}
+				rs, err := sch.Pool.Query(ctx, "SELECT message_id::text FROM "+s.Table())
+				if err != nil {
+					t.Fatal(err)
+				}
+				for rs.Next() {
+					var id string
+					if err := rs.Scan(&id); err != nil {
+						t.Fatal(err)
+					}
+					got[id] = true
+				}
+				return got
+			}
+			for _, before := range []time.Time{minute.Add(59 * time.Second), minute.Add(time.Minute), minute.Add(time.Minute + 45*time.Second), minute.Add(2 * time.Minute)} {
+				if _, err := s.Purge(ctx, inbox.PurgeParams{Before: before}); err != nil {
+					t.Fatal(err)
+				}
+				got := left()
+				for i, r := range rows {
+					if !r.at.Before(before) && !got[r.id] {
+						t.Errorf("purge before %s deleted row %d received at %s: early", before.Format(time.TimeOnly), i, r.at.Format("15:04:05.000"))
+					}
+					if r.at.Before(before.Truncate(time.Minute)) && got[r.id] {
+						t.Errorf("purge before %s kept row %d received at %s, a whole minute earlier", before.Format(time.TimeOnly), i, r.at.Format("15:04:05.000"))
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestReview4ConcurrentBatchesShareAKey: on every layout, a plain and a counted batch claim
+// of keys [b, c] behind an open batch of [a, b]: it waits (in process) until the first
+// commits, then claims c and reports b as a duplicate with the first batch's stored hash
+// (its first 2 bytes in the compact layout, whose first byte is >= 0x80 here), so that the
+// same payload is a duplicate and another payload a collision.
+func TestReview4ConcurrentBatchesShareAKey(t *testing.T) {
+	hashOf := func(s string) []byte {
+		for n := 0; ; n++ {
+			h := sha256.Sum256([]byte(fmt.Sprintf("%s-%d", s, n)))
+			if h[0] >= 0x80 {
+				return h[:]
+			}
+		}
+	}
+	for _, l := range everyLayout {
+		for _, counted := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/counted=%v", l.name, counted), func(t *testing.T) {
+				s, sch := layoutStore(t, 4, l.cfg)
+				keys := newLayoutKeys(s.Config())
+				ctx := context.Background()
+				claim := func(name, payload string) inbox.CountedClaimParams {
+					c := keys.claim(name)
+					c.PayloadHash = hashOf(payload)
+					c.CountFirst = counted
+					return c
+				}
+				first, res, err := s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: []inbox.CountedClaimParams{claim("a", "pa"), claim("b", "pb")}, Counted: counted})
+				if err != nil || !res[0].Claimed || !res[1].Claimed {
+					t.Fatalf("first batch: %v %+v", err, res)
+				}
+				type out struct {
+					res []inbox.CountedClaimResult
+					err error
+					bt  inbox.BatchTx
+				}
+				done := make(chan out, 1)
+				go func() {
+					cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+					defer cancel()
+					bt, res, err := s.ClaimBatch(cctx, inbox.BatchClaimParams{Claims: []inbox.CountedClaimParams{claim("b", "pb-other"), claim("c", "pc")}, Counted: counted})
+					done <- out{res, err, bt}
+				}()
+				time.Sleep(150 * time.Millisecond)
+				select {
+				case o := <-done:
+					t.Fatalf("the second batch did not wait for the first: %+v %v", o.res, o.err)
+				default:
+				}
+				if err := first.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				o := <-done
+				if o.err != nil {
+					t.Fatalf("second batch: %v", o.err)
+				}
+				if o.res[0].Claimed || !o.res[1].Claimed {
+					t.Fatalf("second batch: b claimed %v, c claimed %v; want a duplicate and a claim", o.res[0].Claimed, o.res[1].Claimed)
+				}
+				stored := o.res[0].StoredPayloadHash
+				if len(stored) == 0 || !strings.HasPrefix(string(hashOf("pb")), string(stored)) || strings.HasPrefix(string(hashOf("pb-other")), string(stored)) {
+					t.Fatalf("b's stored hash %x: not a prefix of the first payload's %x, or also of the other's %x", stored, hashOf("pb")[:4], hashOf("pb-other")[:4])
+				}
+				if err := o.bt.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				var rows, records int
+				if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+					t.Fatal(err)
+				}
+				if rows != 3 || records != 0 {
+					t.Fatalf("%d inbox rows and %d attempt records, want 3 and 0", rows, records)
+				}
+			})
+		}
 	}
 }
