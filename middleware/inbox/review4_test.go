@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // TestReview4PoisonWithTheDeadLetterTopicDown: on every layout, immediate and batched (the
@@ -136,5 +137,50 @@ func TestReview4FloodOfCopiesOnEveryLayout(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// TestReview4BatchMateWithoutAPartitionDoesNotNackTheOthers: partitioned inbox table, batched
+// mode, no retention guard: a delivery whose UUIDv7 is five days old (no partition for its
+// period) arrives with three healthy deliveries and shares their batch. The healthy ones are
+// applied and acked on their first delivery, as in the immediate mode; only the one without
+// a partition fails (ErrNoPartition).
+func TestReview4BatchMateWithoutAPartitionDoesNotNackTheOthers(t *testing.T) {
+	e := newEnv(t, 8)
+	s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, Table: "part_inbox", Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	e.store = s
+	ib := e.inbox("billing", func(c *inbox.Config) {
+		c.Batch = inbox.BatchConfig{Size: 4, Linger: 200 * time.Millisecond}
+	})
+	h := ib.Middleware(e.credit)
+	old := paymentMsg(uuidV7At(time.Now().Add(-5*24*time.Hour)), 1, 1000)
+	var healthy []*message.Message
+	for range 3 {
+		healthy = append(healthy, paymentMsg(uuidV7At(time.Now()), 2, 10))
+	}
+	var wg sync.WaitGroup
+	var oldErr error
+	errs := make([]error, len(healthy))
+	wg.Go(func() { oldErr = deliver(h, old) })
+	for k, m := range healthy {
+		wg.Go(func() { errs[k] = deliver(h, m) })
+	}
+	wg.Wait()
+	if !errors.Is(oldErr, pgstore.ErrNoPartition) {
+		t.Errorf("the delivery without a partition: %v, want ErrNoPartition", oldErr)
+	}
+	for k, err := range errs {
+		if err != nil {
+			t.Errorf("healthy delivery %d was nacked because of a batch mate: %v", k, err)
+		}
+	}
+	if b := e.balance(2); b != 30 {
+		t.Errorf("healthy balance %d, want 30", b)
 	}
 }
