@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
@@ -453,5 +454,70 @@ func TestReview4ConcurrentBatchesShareAKey(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestReview4RoleDefaultLockTimeout: a role whose default lock_timeout is 3s (ALTER ROLE ...
+// SET lock_timeout) claims on the text and compact layouts by every path: its handlers run
+// under 3s, and its pooled connection keeps 3s afterwards. The role is the test's own and is
+// dropped at the end.
+func TestReview4RoleDefaultLockTimeout(t *testing.T) {
+	ctx := context.Background()
+	for _, l := range everyLayout[:2] {
+		t.Run(l.name, func(t *testing.T) {
+			migrated, sch := layoutStore(t, 2, l.cfg)
+			role := "review4_lt_" + sch.Name
+			ident := pgx.Identifier{role}.Sanitize()
+			schema := pgx.Identifier{sch.Name}.Sanitize()
+			sch.Exec(t, "CREATE ROLE "+ident+" LOGIN")
+			t.Cleanup(func() {
+				c, err := pgx.Connect(ctx, testenv.DatabaseURL())
+				if err != nil {
+					t.Errorf("drop role: %v", err)
+					return
+				}
+				defer c.Close(ctx)
+				for _, q := range []string{"DROP OWNED BY " + ident, "DROP ROLE " + ident} {
+					if _, err := c.Exec(ctx, q); err != nil {
+						t.Errorf("%s: %v", q, err)
+					}
+				}
+			})
+			sch.Exec(t, "ALTER ROLE "+ident+" SET lock_timeout = '3s'")
+			sch.Exec(t, "GRANT USAGE ON SCHEMA "+schema+" TO "+ident)
+			sch.Exec(t, "GRANT ALL ON ALL TABLES IN SCHEMA "+schema+" TO "+ident)
+			sch.Exec(t, "GRANT ALL ON ALL SEQUENCES IN SCHEMA "+schema+" TO "+ident)
+			u, err := url.Parse(sch.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			u.User = url.User(role)
+			pool := testenv.NewPool(t, u.String(), 1)
+			s, err := pgstore.New(pool, migrated.Config())
+			if err != nil {
+				t.Fatal(err)
+			}
+			keys := newLayoutKeys(s.Config())
+			for _, path := range claimPaths {
+				p := keys.claim("role-" + path.name).ClaimParams
+				p.PayloadHash = make([]byte, 32)
+				tx, claimed, err := path.claim(ctx, s, p)
+				if err != nil || !claimed {
+					t.Fatalf("%s: claim as the role: %v %v", path.name, err, claimed)
+				}
+				ptx, _ := pgstore.PgxTx(tx)
+				var lt string
+				if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
+					t.Fatal(err)
+				}
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				after, _, _ := connSettings(t, pool)
+				if lt != "3s" || after != "3s" {
+					t.Errorf("%s: the handler ran under lock_timeout %q and the connection has %q afterwards; want the role's 3s", path.name, lt, after)
+				}
+			}
+		})
 	}
 }
