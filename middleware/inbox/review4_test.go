@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -95,7 +96,8 @@ func TestReview4PoisonWithTheDeadLetterTopicDown(t *testing.T) {
 	}
 }
 
-// TestReview4FloodOfCopiesOnEveryLayout: on every layout, immediate and batched, 12 copies of
+// TestReview4FloodOfCopiesOnEveryLayout: on every layout, immediate and batched, at each
+// isolation level, 12 copies of
 // one healthy message at once (half flagged as redeliveries), with dead letters on
 // (MaxAttempts 2) and the default claim lock timeout: each message is applied exactly once,
 // nothing is dead-lettered, and the attempts table is empty at the end.
@@ -103,39 +105,42 @@ func TestReview4FloodOfCopiesOnEveryLayout(t *testing.T) {
 	const copies, rounds = 12, 8
 	for _, batched := range []bool{false, true} {
 		forEachLayout(t, func(t *testing.T, l storeLayout) {
-			t.Run(fmt.Sprintf("batched=%v", batched), func(t *testing.T) {
-				e := newLayoutEnv(t, 8, l)
-				dl := newDeadLetters(t)
-				ib := e.inbox("billing", withDeadLetters(dl, 2), func(c *inbox.Config) {
-					c.Redelivery = redeliveryFromFlag
-					if batched {
-						c.Batch = inbox.BatchConfig{Size: 4, Linger: 5 * time.Millisecond}
+			for _, iso := range []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable} {
+				t.Run(fmt.Sprintf("batched=%v/%s", batched, iso), func(t *testing.T) {
+					e := newLayoutEnv(t, 8, l)
+					dl := newDeadLetters(t)
+					ib := e.inbox("billing", withDeadLetters(dl, 2), func(c *inbox.Config) {
+						c.Redelivery = redeliveryFromFlag
+						c.Isolation = iso
+						if batched {
+							c.Batch = inbox.BatchConfig{Size: 4, Linger: 5 * time.Millisecond}
+						}
+					})
+					h := ib.Middleware(e.credit)
+					for round := range rounds {
+						msg := paymentMsg(fmt.Sprintf("f%d", round), 2, 10)
+						var wg sync.WaitGroup
+						for c := range copies {
+							m := msg.Copy()
+							if c%2 == 1 {
+								m.Metadata.Set(redeliveredKey, "true")
+							}
+							wg.Go(func() { redeliverUntilAcked(t, h, m, 100) })
+						}
+						wg.Wait()
+					}
+					if b := e.balance(2); b != 10*rounds {
+						t.Errorf("balance %d, want %d (each message applied once)", b, 10*rounds)
+					}
+					if s := ib.Stats(); s.DeadLettered != 0 {
+						t.Errorf("healthy messages dead-lettered: %+v", s)
+					}
+					var records int
+					if err := e.sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+e.store.AttemptsTable()).Scan(&records); err != nil || records != 0 {
+						t.Errorf("%d attempt records left (%v), want 0", records, err)
 					}
 				})
-				h := ib.Middleware(e.credit)
-				for round := range rounds {
-					msg := paymentMsg(fmt.Sprintf("f%d", round), 2, 10)
-					var wg sync.WaitGroup
-					for c := range copies {
-						m := msg.Copy()
-						if c%2 == 1 {
-							m.Metadata.Set(redeliveredKey, "true")
-						}
-						wg.Go(func() { redeliverUntilAcked(t, h, m, 100) })
-					}
-					wg.Wait()
-				}
-				if b := e.balance(2); b != 10*rounds {
-					t.Errorf("balance %d, want %d (each message applied once)", b, 10*rounds)
-				}
-				if s := ib.Stats(); s.DeadLettered != 0 {
-					t.Errorf("healthy messages dead-lettered: %+v", s)
-				}
-				var records int
-				if err := e.sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+e.store.AttemptsTable()).Scan(&records); err != nil || records != 0 {
-					t.Errorf("%d attempt records left (%v), want 0", records, err)
-				}
-			})
+			}
 		})
 	}
 }
