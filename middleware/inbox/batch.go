@@ -378,6 +378,17 @@ func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr err
 		if i.cfg.Store.Retryable(err) {
 			return ms, fmt.Errorf("inbox: batch claim: %w", err)
 		}
+		if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+			// The claim statement failed for the batch (one member's row refused, such as
+			// a period without a partition): nothing says whose. Each member runs again
+			// alone, where a failure is its own and the others are not nacked for it.
+			// A claim that ran out of time (a key in flight, no free connection) is not
+			// repeated member by member: they are nacked.
+			for _, m := range ms {
+				again(m)
+			}
+			return nil, nil
+		}
 		for _, m := range ms {
 			finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch claim: %w", err)})
 		}

@@ -125,16 +125,21 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 	}
 	start := time.Now()
 	pause := claimRetryFirstPause
+	var lockErr error // the last try's 55P03
 	for {
 		t, res, err := s.claimBatchOnce(ctx, p)
+		if err != nil && lockErr != nil && !isLockNotAvailable(err) && ctx.Err() != nil {
+			return nil, nil, claimInFlight(ctx, start, lockErr, err) // as in claim
+		}
 		if err == nil || !isLockNotAvailable(err) {
 			return t, res, err
 		}
+		lockErr = err
 		timer := time.NewTimer(pause/2 + rand.N(pause/2+1))
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			return nil, nil, fmt.Errorf("%w (waited %s): %w (last try: %w)", ErrClaimInFlight, time.Since(start).Round(time.Millisecond), ctx.Err(), err)
+			return nil, nil, claimInFlight(ctx, start, lockErr, nil)
 		case <-timer.C:
 		}
 		pause = min(pause*2, claimRetryMaxPause)

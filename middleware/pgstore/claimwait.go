@@ -119,18 +119,36 @@ func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted b
 	}
 	start := time.Now()
 	pause := claimRetryFirstPause
+	var lockErr error // the last try's 55P03
 	for {
 		t, res, err := s.claimOnce(ctx, p, counted)
+		if err != nil && lockErr != nil && !isLockNotAvailable(err) && ctx.Err() != nil {
+			// The context ended during a try after a lock wait (in acquire, or while the
+			// claim statement waited): still a key held by a delivery in flight.
+			return nil, inbox.CountedClaimResult{}, claimInFlight(ctx, start, lockErr, err)
+		}
 		if err == nil || !isLockNotAvailable(err) {
 			return t, res, err
 		}
+		lockErr = err
 		timer := time.NewTimer(pause/2 + rand.N(pause/2+1))
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			return nil, inbox.CountedClaimResult{}, fmt.Errorf("%w (waited %s): %w (last try: %w)", ErrClaimInFlight, time.Since(start).Round(time.Millisecond), ctx.Err(), err)
+			return nil, inbox.CountedClaimResult{}, claimInFlight(ctx, start, lockErr, nil)
 		case <-timer.C:
 		}
 		pause = min(pause*2, claimRetryMaxPause)
 	}
+}
+
+// claimInFlight is the error of a claim whose key stayed held by a delivery in flight until
+// ctx ended: ErrClaimInFlight, ctx's error, the last lock wait's error (55P03) and, when the
+// context ended during a later try, that try's error.
+func claimInFlight(ctx context.Context, start time.Time, lockErr, last error) error {
+	waited := time.Since(start).Round(time.Millisecond)
+	if last == nil {
+		return fmt.Errorf("%w (waited %s): %w (last try: %w)", ErrClaimInFlight, waited, ctx.Err(), lockErr)
+	}
+	return fmt.Errorf("%w (waited %s): %w (last lock wait: %w; last try: %w)", ErrClaimInFlight, waited, ctx.Err(), lockErr, last)
 }
