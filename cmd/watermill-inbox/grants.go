@@ -12,7 +12,7 @@ import (
 // grantsCmd prints the GRANT statements of the application role (pgstore.GrantSQL, and
 // outbox.GrantSQL with --outbox). It never connects.
 func grantsCmd() *cobra.Command {
-	var schema, table, role, outboxTopic string
+	var schema, table, role, outboxTopic, layout string
 	var withOutbox bool
 	cmd := &cobra.Command{
 		Use:   "grants --role ROLE",
@@ -23,7 +23,16 @@ func grantsCmd() *cobra.Command {
 			"handler's own tables need their own grants. See docs/security.md.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			script, err := pgstore.GrantSQL(pgstore.Config{Schema: schema, Table: table}, role)
+			var l pgstore.Layout
+			switch layout {
+			case "text":
+				l = pgstore.LayoutText
+			case "compact":
+				l = pgstore.LayoutCompact
+			default:
+				return usageError{fmt.Errorf("--layout %q: want text or compact", layout)}
+			}
+			script, err := pgstore.GrantSQL(pgstore.Config{Schema: schema, Table: table, Layout: l}, role)
 			if err != nil {
 				return err
 			}
@@ -41,6 +50,7 @@ func grantsCmd() *cobra.Command {
 	cmd.Flags().StringVar(&role, "role", "", "the application role (required)")
 	cmd.Flags().StringVar(&schema, "schema", pgstore.DefaultSchema, "schema of the inbox table")
 	cmd.Flags().StringVar(&table, "table", pgstore.DefaultTable, "inbox table name")
+	cmd.Flags().StringVar(&layout, "layout", "text", "the inbox table's layout: text or compact (the compact layout adds its consumers table)")
 	cmd.Flags().BoolVar(&withOutbox, "outbox", false, "also the outbox tables (package middleware/outbox) in the same schema")
 	cmd.Flags().StringVar(&outboxTopic, "outbox-topic", "", "the outbox topic (default "+outbox.DefaultTopic+")")
 	_ = cmd.MarkFlagRequired("role")
