@@ -37,6 +37,10 @@ func TestGrantsPrintsTheApplicationRolesGrants(t *testing.T) {
 	if err != nil || !strings.Contains(compact, `GRANT SELECT, INSERT ON "billing"."inbox_processed_messages_consumers" TO "billing-app";`) {
 		t.Errorf("grants --layout compact: %v, no INSERT on the consumers table:\n%s", err, compact)
 	}
+	d, err := run(t, "grants", "--role", "billing-app", "--schema", "billing", "--deferred")
+	if err != nil || !strings.Contains(d, `GRANT SELECT, INSERT, UPDATE, DELETE ON "billing"."inbox_deferred" TO "billing-app";`) {
+		t.Errorf("grants --deferred: %v, no grant on the store-then-process table:\n%s", err, d)
+	}
 	if _, err := run(t, "grants", "--role", "app", "--layout", "tiny"); exitCode(err) != exitUsage {
 		t.Errorf("grants --layout tiny: %v, want a usage error", err)
 	}
