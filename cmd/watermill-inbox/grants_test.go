@@ -30,6 +30,20 @@ func TestGrantsPrintsTheApplicationRolesGrants(t *testing.T) {
 	if strings.Contains(out, "CREATE") {
 		t.Errorf("a CREATE privilege is granted:\n%s", out)
 	}
+	if strings.Contains(out, "_consumers") {
+		t.Errorf("the text layout's grants name the compact layout's consumers table:\n%s", out)
+	}
+	compact, err := run(t, "grants", "--role", "billing-app", "--schema", "billing", "--layout", "compact")
+	if err != nil || !strings.Contains(compact, `GRANT SELECT, INSERT ON "billing"."inbox_processed_messages_consumers" TO "billing-app";`) {
+		t.Errorf("grants --layout compact: %v, no INSERT on the consumers table:\n%s", err, compact)
+	}
+	d, err := run(t, "grants", "--role", "billing-app", "--schema", "billing", "--deferred")
+	if err != nil || !strings.Contains(d, `GRANT SELECT, INSERT, UPDATE, DELETE ON "billing"."inbox_deferred" TO "billing-app";`) {
+		t.Errorf("grants --deferred: %v, no grant on the store-then-process table:\n%s", err, d)
+	}
+	if _, err := run(t, "grants", "--role", "app", "--layout", "tiny"); exitCode(err) != exitUsage {
+		t.Errorf("grants --layout tiny: %v, want a usage error", err)
+	}
 	for _, args := range [][]string{{"grants"}, {"grants", "--role", "app\nGRANT ALL"}, {"grants", "--role", "app", "--schema", "bad-schema"}} {
 		if _, err := run(t, args...); err == nil {
 			t.Errorf("%q accepted", args)

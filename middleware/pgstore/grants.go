@@ -30,7 +30,9 @@ func ValidateRole(role string) error {
 //     NOTHING), the stored payload hash of a duplicate (SELECT), Purge (DELETE);
 //   - SELECT, INSERT, UPDATE, DELETE on the attempts table: the durable attempt count
 //     (INSERT ... ON CONFLICT DO UPDATE), dead-letter marks, Replay;
-//   - SELECT on the version table: CheckSchema, and Migrate when nothing is pending.
+//   - SELECT on the version table: CheckSchema, and Migrate when nothing is pending;
+//   - in the compact layout (cfg.Layout), SELECT, INSERT on the consumers table: a consumer
+//     name is registered by its first claim.
 //
 // Advisory locks, set_config and the cancel request need no privilege. The handler's own
 // tables need their own grants; the outbox's are outbox.GrantSQL. An invalid schema, table
@@ -50,5 +52,10 @@ func GrantSQL(cfg Config, role string) (string, error) {
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE ON %s TO %s;\n", s.table, r)
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;\n", s.attempts, r)
 	fmt.Fprintf(&b, "GRANT SELECT ON %s TO %s;\n", s.versions, r)
+	if s.cfg.Layout == LayoutCompact {
+		// A consumer name is registered by the first claim that uses it (its identity
+		// column's sequence needs no grant of its own).
+		fmt.Fprintf(&b, "GRANT SELECT, INSERT ON %s TO %s;\n", s.consumers, r)
+	}
 	return b.String(), nil
 }

@@ -1,0 +1,93 @@
+package pgstore_test
+
+import (
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// TestGrantSQLRunsEveryLayout: on every layout, a role granted exactly what GrantSQL prints
+// (and nothing that lets it create) runs the store's whole path: Migrate and CheckSchema with
+// nothing pending, the claim of a consumer name it registers itself (the compact layout's
+// consumers table), a commit, a duplicate, a counted claim that fails and records its attempt,
+// the claim that then succeeds, and a purge. The rows prove each step.
+func TestGrantSQLRunsEveryLayout(t *testing.T) {
+	for _, l := range everyLayout {
+		t.Run(l.name, func(t *testing.T) {
+			owner, sch := layoutStore(t, 2, l.cfg)
+			ctx := context.Background()
+			role := sch.Name + "_app"
+			ident := pgx.Identifier{role}.Sanitize()
+			sch.Exec(t, "CREATE ROLE "+ident+" LOGIN")
+			t.Cleanup(func() {
+				_, _ = sch.Pool.Exec(context.Background(), "DROP OWNED BY "+ident)
+				_, _ = sch.Pool.Exec(context.Background(), "DROP ROLE "+ident)
+			})
+			grants, err := pgstore.GrantSQL(owner.Config(), role)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, line := range strings.Split(grants, "\n") {
+				if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "--") {
+					sch.Exec(t, line)
+				}
+			}
+			var create bool
+			if err := sch.Pool.QueryRow(ctx, "SELECT has_schema_privilege($1, $2, 'CREATE') OR has_database_privilege($1, current_database(), 'CREATE')", role, sch.Name).Scan(&create); err != nil || create {
+				t.Fatalf("the role may create (%v, %v): the test would prove nothing", create, err)
+			}
+			u, _ := url.Parse(sch.URL)
+			u.User = url.User(role)
+			cfg := owner.Config()
+			cfg.Retention = inbox.Retention{Window: 48 * time.Hour, MaxRedelivery: time.Hour, Margin: time.Hour}
+			s, err := pgstore.New(testenv.NewPool(t, u.String(), 2), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if applied, err := s.Migrate(ctx); err != nil || len(applied) != 0 {
+				t.Fatalf("Migrate as the application role: %v, %v", applied, err)
+			}
+			if err := s.CheckSchema(ctx); err != nil {
+				t.Fatalf("CheckSchema as the application role: %v", err)
+			}
+			keys := newLayoutKeys(l.cfg)
+			p := keys.claim("m-granted")
+			p.Key.ConsumerName = "billing-" + l.name // registered by the role itself
+			tx, res, err := s.ClaimCounted(ctx, p)
+			if err != nil || !res.Claimed {
+				t.Fatalf("first claim as the application role: %v %+v", err, res)
+			}
+			if n, err := tx.Fail(ctx, inbox.FailParams{Error: "boom"}); err != nil || n != 1 {
+				t.Fatalf("Fail as the application role: %d, %v", n, err)
+			}
+			tx, res, err = s.ClaimCounted(ctx, p)
+			if err != nil || !res.Claimed || res.Record.Attempts != 2 {
+				t.Fatalf("second claim: %v %+v, want claimed with 2 attempts", err, res)
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatalf("commit as the application role: %v", err)
+			}
+			if dup, res, err := s.Claim(ctx, p.ClaimParams); err != nil || res.Claimed || dup != nil {
+				t.Fatalf("duplicate as the application role: %v %+v", err, res)
+			}
+			if _, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{}); err != nil {
+				t.Fatalf("PurgeExpired as the application role: %v", err)
+			}
+			var rows, records int
+			if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+				t.Fatal(err)
+			}
+			if rows != 1 || records != 0 {
+				t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0", rows, records)
+			}
+		})
+	}
+}
