@@ -54,8 +54,8 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 	}
 	consumeStart := time.Now()
 	var kills, samples, unrecoveredKills int
-	var maxBacklog int64
-	var maxAge, maxGap time.Duration
+	var maxBacklog, maxVisible int64
+	var maxAge, maxGap, maxHold time.Duration
 	var recoveries []time.Duration
 	// killedAt: the earliest SIGKILL no consumer has settled a delivery after yet.
 	var killedAt time.Time
@@ -67,6 +67,10 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 			samples++
 			maxGap = max(maxGap, time.Since(lastSample))
 			lastSample = time.Now()
+		}
+		if h, err := d.horizon(ctx); err == nil {
+			maxVisible = max(maxVisible, h.visible)
+			maxHold = max(maxHold, h.oldestXact)
 		}
 	}
 	// recovered reads c's SETTLED line, once, and records the recovery from killedAt.
@@ -127,8 +131,9 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 		if lag, err := probe.Lag(ctx); err == nil {
 			backlog = lag.Pending
 		}
-		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows, so far at most %d (oldest %.1fs)\n",
-			c.n, at.Sub(started).Seconds(), rows, unique, backlog, maxBacklog, maxAge.Seconds())
+		h, _ := d.horizon(ctx)
+		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows (%d visible to the relay), so far at most %d (%d visible; oldest %.1fs); oldest transaction in the cluster %.1fs\n",
+			c.n, at.Sub(started).Seconds(), rows, unique, backlog, h.visible, maxBacklog, maxVisible, maxAge.Seconds(), h.oldestXact.Seconds())
 	}
 	soakTime := time.Since(consumeStart)
 
@@ -177,10 +182,46 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 		unique, len(d.w.deliveries), d.w.duplicates, total, len(d.w.poisonIDs), unique, pending, d.broker.pendingMeaning)
 	fmt.Fprintf(d.out, "soak        %d SIGKILLs in %.1fs (%.0f unique payments/s while killing); relay backlog never above %d rows (%d samples, at most %.2fs apart), oldest pending receipt %.1fs; %.1fs in total\n",
 		kills, soakTime.Seconds(), float64(unique)/soakTime.Seconds(), maxBacklog, samples, maxGap.Seconds(), maxAge.Seconds(), time.Since(start).Seconds())
+	fmt.Fprintf(d.out, "horizon     of that backlog, at most %d rows were visible to the relay (below the cluster's oldest running transaction); the oldest transaction seen in the cluster was %.1fs old\n",
+		maxVisible, maxHold.Seconds())
 	if len(recoveries) > 0 {
 		slices.Sort(recoveries)
 		fmt.Fprintf(d.out, "recovery    SIGKILL to the next consumer's first settled delivery: min %.2fs, median %.2fs, max %.2fs (%d samples; %d consumers killed before settling one)\n",
 			recoveries[0].Seconds(), recoveries[len(recoveries)/2].Seconds(), recoveries[len(recoveries)-1].Seconds(), len(recoveries), unrecoveredKills)
 	}
 	return nil
+}
+
+// horizonSample is what holds the relay back, read by horizon.
+type horizonSample struct {
+	// visible: pending outbox rows the relay can read now. Its REPEATABLE READ snapshot sees
+	// a row only when the row's transaction ID is below pg_snapshot_xmin, the oldest
+	// transaction still running anywhere in the cluster (watermill-sql's PostgreSQL schema);
+	// the rest of the backlog waits for that transaction, however fast the relay is.
+	visible int64
+	// oldestXact: the age of the oldest transaction in the cluster that holds a transaction
+	// ID (pg_stat_activity.backend_xid), this run's or any other session's.
+	oldestXact time.Duration
+}
+
+// horizon reads how much of the relay's backlog the cluster's oldest transaction hides.
+func (d *demo) horizon(ctx context.Context) (horizonSample, error) {
+	cfg := outboxConfig(d.schema)
+	msgs, offs := cfg.MessagesTable(), cfg.OffsetsTable()
+	var h horizonSample
+	var age float64
+	err := d.pool.QueryRow(ctx, `WITH g AS (
+		SELECT coalesce((SELECT offset_acked FROM `+offs+` WHERE consumer_group = ''), 0) AS offset_acked,
+		       coalesce((SELECT last_processed_transaction_id FROM `+offs+` WHERE consumer_group = ''), '0'::xid8) AS tx
+	)
+	SELECT (SELECT count(*) FROM `+msgs+` m, g
+	        WHERE ((m.transaction_id = g.tx AND m."offset" > g.offset_acked) OR m.transaction_id > g.tx)
+	          AND m.transaction_id < pg_snapshot_xmin(pg_current_snapshot())),
+	       coalesce((SELECT extract(epoch FROM max(clock_timestamp() - xact_start)) FROM pg_stat_activity
+	                 WHERE backend_xid IS NOT NULL), 0)::float8`).Scan(&h.visible, &age)
+	if err != nil {
+		return h, fmt.Errorf("read the relay's horizon: %w", err)
+	}
+	h.oldestXact = time.Duration(age * float64(time.Second))
+	return h, nil
 }
