@@ -86,6 +86,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		fmt.Sprintf("-crash-after=%d", crash.afterCommits),
 		fmt.Sprintf("-crash-on-rejection=%d", crash.onRejection),
 		fmt.Sprintf("-amqp-consumers=%d", d.o.amqpConsumers),
+		"-timeout="+d.o.timeout.String(), // the AMQP queues' x-expires (withDemoSettings)
 		"-app-name="+d.consumerAppName(c.n),
 		"-metrics-addr="+d.o.metricsAddr,
 		"-mode="+d.o.mode,
