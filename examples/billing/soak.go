@@ -56,6 +56,7 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 	var kills, samples, unrecoveredKills int
 	var maxBacklog, maxVisible int64
 	var maxAge, maxGap, maxHold time.Duration
+	var maxHolder string
 	var recoveries []time.Duration
 	// killedAt: the earliest SIGKILL no consumer has settled a delivery after yet.
 	var killedAt time.Time
@@ -70,7 +71,9 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 		}
 		if h, err := d.horizon(ctx); err == nil {
 			maxVisible = max(maxVisible, h.visible)
-			maxHold = max(maxHold, h.oldestXact)
+			if h.oldestXact > maxHold {
+				maxHold, maxHolder = h.oldestXact, h.holder
+			}
 		}
 	}
 	// recovered reads c's SETTLED line, once, and records the recovery from killedAt.
@@ -132,8 +135,12 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 			backlog = lag.Pending
 		}
 		h, _ := d.horizon(ctx)
-		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows (%d visible to the relay), so far at most %d (%d visible; oldest %.1fs); oldest transaction in the cluster %.1fs\n",
-			c.n, at.Sub(started).Seconds(), rows, unique, backlog, h.visible, maxBacklog, maxVisible, maxAge.Seconds(), h.oldestXact.Seconds())
+		holder := ""
+		if h.oldestXact > time.Second {
+			holder = " (" + h.holder + ")"
+		}
+		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows (%d visible to the relay), so far at most %d (%d visible; oldest %.1fs); oldest transaction in the cluster %.1fs%s\n",
+			c.n, at.Sub(started).Seconds(), rows, unique, backlog, h.visible, maxBacklog, maxVisible, maxAge.Seconds(), h.oldestXact.Seconds(), holder)
 	}
 	soakTime := time.Since(consumeStart)
 
@@ -182,8 +189,8 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 		unique, len(d.w.deliveries), d.w.duplicates, total, len(d.w.poisonIDs), unique, pending, d.broker.pendingMeaning)
 	fmt.Fprintf(d.out, "soak        %d SIGKILLs in %.1fs (%.0f unique payments/s while killing); relay backlog never above %d rows (%d samples, at most %.2fs apart), oldest pending receipt %.1fs; %.1fs in total\n",
 		kills, soakTime.Seconds(), float64(unique)/soakTime.Seconds(), maxBacklog, samples, maxGap.Seconds(), maxAge.Seconds(), time.Since(start).Seconds())
-	fmt.Fprintf(d.out, "horizon     of that backlog, at most %d rows were visible to the relay (below the cluster's oldest running transaction); the oldest transaction seen in the cluster was %.1fs old\n",
-		maxVisible, maxHold.Seconds())
+	fmt.Fprintf(d.out, "horizon     of that backlog, at most %d rows were visible to the relay (below the cluster's oldest running transaction); the oldest transaction seen in the cluster was %.1fs old (%s)\n",
+		maxVisible, maxHold.Seconds(), maxHolder)
 	if len(recoveries) > 0 {
 		slices.Sort(recoveries)
 		fmt.Fprintf(d.out, "recovery    SIGKILL to the next consumer's first settled delivery: min %.2fs, median %.2fs, max %.2fs (%d samples; %d consumers killed before settling one)\n",
@@ -200,8 +207,10 @@ type horizonSample struct {
 	// the rest of the backlog waits for that transaction, however fast the relay is.
 	visible int64
 	// oldestXact: the age of the oldest transaction in the cluster that holds a transaction
-	// ID (pg_stat_activity.backend_xid), this run's or any other session's.
+	// ID (pg_stat_activity.backend_xid), this run's or any other session's; holder says whose
+	// (its pid and application_name).
 	oldestXact time.Duration
+	holder     string
 }
 
 // horizon reads how much of the relay's backlog the cluster's oldest transaction hides.
@@ -217,8 +226,12 @@ func (d *demo) horizon(ctx context.Context) (horizonSample, error) {
 	SELECT (SELECT count(*) FROM `+msgs+` m, g
 	        WHERE ((m.transaction_id = g.tx AND m."offset" > g.offset_acked) OR m.transaction_id > g.tx)
 	          AND m.transaction_id < pg_snapshot_xmin(pg_current_snapshot())),
-	       coalesce((SELECT extract(epoch FROM max(clock_timestamp() - xact_start)) FROM pg_stat_activity
-	                 WHERE backend_xid IS NOT NULL), 0)::float8`).Scan(&h.visible, &age)
+	       coalesce(o.age, 0)::float8, coalesce(o.holder, '')
+	FROM (SELECT 1) one LEFT JOIN (
+		SELECT extract(epoch FROM clock_timestamp() - xact_start) AS age,
+		       format('pid %s, application_name %L', pid, application_name) AS holder
+		FROM pg_stat_activity WHERE backend_xid IS NOT NULL ORDER BY xact_start LIMIT 1
+	) o ON true`).Scan(&h.visible, &age, &h.holder)
 	if err != nil {
 		return h, fmt.Errorf("read the relay's horizon: %w", err)
 	}
