@@ -29,6 +29,10 @@ type child struct {
 	ready chan struct{} // closed on the READY line
 	done  chan struct{} // closed after Wait returned
 	state *os.ProcessState
+
+	// stopFrom is the length of stderr when the orchestrator sent SIGTERM (-1: never sent):
+	// what follows it was logged by the graceful stop.
+	stopFrom int
 }
 
 // lockedWriter serialises writes to the child's stderr buffer (and, with -v, os.Stderr).
@@ -69,7 +73,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		return nil, fmt.Errorf("find own executable: %w", err)
 	}
 	d.children++
-	c := &child{n: d.children, ready: make(chan struct{}), done: make(chan struct{})}
+	c := &child{n: d.children, ready: make(chan struct{}), done: make(chan struct{}), stopFrom: -1}
 	c.cmd = exec.Command(exe,
 		"-role="+roleConsumer,
 		"-broker="+d.o.broker,
@@ -82,6 +86,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		fmt.Sprintf("-crash-after=%d", crash.afterCommits),
 		fmt.Sprintf("-crash-on-rejection=%d", crash.onRejection),
 		fmt.Sprintf("-amqp-consumers=%d", d.o.amqpConsumers),
+		"-timeout="+d.o.timeout.String(), // the AMQP queues' x-expires (withDemoSettings)
 		"-app-name="+d.consumerAppName(c.n),
 		"-metrics-addr="+d.o.metricsAddr,
 		"-mode="+d.o.mode,
@@ -188,6 +193,25 @@ func (c *child) stderrContains(substr string) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return bytes.Contains(c.stderr.Bytes(), []byte(substr))
+}
+
+// stop sends SIGTERM and remembers where stderr stood, for stopLog.
+func (c *child) stop() {
+	c.mu.Lock()
+	c.stopFrom = c.stderr.Len()
+	c.mu.Unlock()
+	c.signal(syscall.SIGTERM)
+}
+
+// stopLog returns what the child wrote to stderr after stop sent SIGTERM ("" if it was never
+// sent): the log of its graceful stop.
+func (c *child) stopLog() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopFrom < 0 {
+		return ""
+	}
+	return string(c.stderr.Bytes()[c.stopFrom:])
 }
 
 // stderrTail returns the last lines the child wrote to stderr, for a FAIL report.

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"os/signal"
 	"strconv"
@@ -57,9 +58,9 @@ const (
 	// NATS subscriptions, SQS messages in flight. Kafka has one per partition
 	// (kafkafake.DefaultPartitions, also 4); PostgreSQL and Redis one at a time.
 	concurrency = 4
-	// amqpQueueExpiry deletes a run's queue this long after its last consumer left, in case the
-	// run fails before deleting it (RabbitMQ's x-expires, in milliseconds).
-	amqpQueueExpiry = int32(10 * 60 * 1000)
+	// amqpQueueExpiry deletes a run's queue this long after the run's -timeout (see
+	// withDemoSettings), in case the run fails before deleting it.
+	amqpQueueExpiry = 10 * time.Minute
 )
 
 // payment is the message payload: a producer-side payment of amountCents into an account.
@@ -78,13 +79,19 @@ type receipt struct {
 
 // withDemoSettings sets the adapter settings of the demo on cfg: a delivery that a killed
 // consumer held comes back within seconds instead of the production defaults, and several
-// deliveries are in flight at once. Everything else is the adapters' defaults.
-func withDemoSettings(cfg router.Config, amqpConsumers int) router.Config {
+// deliveries are in flight at once. Everything else is the adapters' defaults. It reads
+// o.amqpConsumers and o.timeout, which the orchestrator passes on to its consumers.
+func withDemoSettings(cfg router.Config, o options) router.Config {
+	// RabbitMQ's x-expires deletes a queue once it had no consumer, no basic.get and no
+	// redeclaration for that long (milliseconds). The dead-letter reader's queue is declared at
+	// the start and read only at the end, so it must outlive the whole run: a soak runs for
+	// more than an hour, and a queue that expired drops the dead letters routed to it.
+	expiry := min(o.timeout+amqpQueueExpiry, time.Duration(math.MaxInt32)*time.Millisecond)
 	cfg.Postgres = &postgres.Config{PollInterval: 50 * time.Millisecond}
 	cfg.AMQP = &amqp.Config{
-		Consumers:              amqpConsumers,
+		Consumers:              o.amqpConsumers,
 		PublishChannelPoolSize: outbox.DefaultMaxInFlight, // the relay keeps this many publishes in flight
-		QueueArguments:         map[string]any{"x-expires": amqpQueueExpiry},
+		QueueArguments:         map[string]any{"x-expires": int32(expiry.Milliseconds())},
 	}
 	cfg.Kafka = &kafka.Config{
 		SessionTimeout:    time.Second, // a killed member's partitions move at once
@@ -132,7 +139,7 @@ func consume(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
-	cfg = withDemoSettings(cfg, o.amqpConsumers)
+	cfg = withDemoSettings(cfg, o)
 	cfg.Mode = o.mode // -mode: the inbox mode of the billing consumer (router.AddModeHandler)
 
 	// Connections, per concurrent delivery: the billing inbox transaction, the rejection log's

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -29,6 +30,9 @@ const (
 	lineCrash = "CRASH"
 	// lineStats: the inbox Stats after a graceful stop.
 	lineStats = "STATS"
+	// lineSettled: the consumer settled its first billing delivery (processed, or skipped as a
+	// duplicate, or dead-lettered); SettledAt says when (for the soak's recovery times).
+	lineSettled = "SETTLED"
 )
 
 // consumerReport is the JSON of the consumer's stdout lines.
@@ -56,6 +60,10 @@ type consumerReport struct {
 	// handler a worker SIGKILLed the process (-crash-after-applied).
 	Deferred *deferred.Counters `json:"deferred,omitempty"`
 	Applied  string             `json:"applied,omitempty"`
+	// SettledAt (lineSettled): when the inbox returned nil for the consumer's first billing
+	// delivery, just before the router acked it; Unix time in nanoseconds, of this machine's
+	// clock, which the orchestrator shares.
+	SettledAt int64 `json:"settled_at_unix_nano,omitempty"`
 }
 
 // demoRegistry is the consumer's metrics, for report.
@@ -80,6 +88,8 @@ type crashPoints struct {
 	// crashAfterApplied, applied: the worker crash of the store-then-process mode.
 	crashAfterApplied int
 	applied           atomic.Int64
+	// settled: the first billing delivery was settled and lineSettled printed.
+	settled atomic.Bool
 }
 
 func newCrashPoints(o options, ibs inboxes) *crashPoints {
@@ -151,6 +161,10 @@ func (c *crashPoints) afterCommit(h message.HandlerFunc) message.HandlerFunc {
 		ran := new(atomic.Bool)
 		msg.SetContext(context.WithValue(msg.Context(), handlerRanKey{}, ran))
 		out, err := h(msg)
+		if err == nil && message.HandlerNameFromCtx(msg.Context()) == consumerName && !c.settled.Swap(true) {
+			// The first billing delivery this process settles: the router acks it next.
+			c.report(lineSettled, consumerReport{SettledAt: time.Now().UnixNano()})
+		}
 		if c.ibs.deferred != nil && err == nil && c.crashAfter > 0 && message.HandlerNameFromCtx(msg.Context()) == consumerName &&
 			c.ibs.deferred.Counters().Received >= uint64(c.crashAfter) {
 			// Store-then-process: the receipt committed (this delivery's row, or a duplicate

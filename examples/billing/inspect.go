@@ -101,7 +101,7 @@ func newBrokerAdmin(o options, pool *pgxpool.Pool, schema string, t topics) (*br
 		a.Close()
 		return nil, err
 	}
-	a.cfg = withDemoSettings(a.cfg, o.amqpConsumers)
+	a.cfg = withDemoSettings(a.cfg, o)
 	// The payments are published before the consumers first subscribe: on RabbitMQ the
 	// publisher declares the billing consumer group's queue first, so they are kept for it.
 	a.cfg.AMQP.DeclareGroups = []string{consumerName}

@@ -108,7 +108,7 @@ func parseFlags(args []string) (options, error) {
 	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
 	fs.Uint64Var(&o.seed, "seed", 0, "random seed of the workload (0: derived from the clock; printed in the summary)")
-	fs.DurationVar(&o.timeout, "timeout", 120*time.Second, "overall deadline; the run reports FAIL when it passes")
+	fs.DurationVar(&o.timeout, "timeout", 120*time.Second, "overall deadline; the run reports FAIL when it passes (on amqp the run's queues expire 10 min after it)")
 	fs.IntVar(&o.amqpConsumers, "amqp-consumers", 4, "AMQP consumers (channels) per subscription in the consumer, each with prefetch 16 (amqp.Config.Consumers)")
 	fs.IntVar(&o.poison, "poison", 3, "payments to the frozen account: poison messages the handler rejects on every attempt (at least 1)")
 	fs.IntVar(&o.maxAttempts, "max-attempts", 3, "inbox MaxAttempts: handler runs before a message is dead-lettered (at least 3: the mid-stream kill may cost a payment two attempts)")

@@ -542,7 +542,7 @@ func (d *demo) runToCompletion(ctx context.Context) (*child, time.Time, error) {
 		case completeSince.IsZero():
 			completeSince = time.Now()
 		case time.Since(completeSince) >= drainedFor:
-			c.signal(syscall.SIGTERM)
+			c.stop()
 			stopCtx, cancel := context.WithTimeout(ctx, stopTimeout)
 			defer cancel()
 			if err := c.wait(stopCtx); err != nil {

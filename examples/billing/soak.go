@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
+	"os"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -26,12 +29,23 @@ func (noPublisher) Publish(string, ...*message.Message) error {
 }
 func (noPublisher) Close() error { return nil }
 
+// soakSample is the orchestrator's pause between two samples of the relay's backlog.
+const soakSample = 250 * time.Millisecond
+
 // soak is -soak: instead of the scripted crashes, consumers are SIGKILLed by the orchestrator
 // every 5 to 20 s (random) until every unique payment is processed, while the relay's backlog
 // (outbox rows not yet relayed, outbox.Relay.Lag) is sampled every 250 ms. Then the poison
 // payments are published, a last consumer runs to completion and stops gracefully, and the
 // run is verified like the demo: inbox rows, every balance, the dead letters, every receipt
 // exactly once downstream.
+//
+// It reports the relay's largest backlog (and the longest pause between two samples), the
+// SIGKILLs, and the recovery time of each: from the SIGKILL to the first billing delivery the
+// next consumer settled (its SETTLED line), which includes that process's start, its broker
+// connection and the broker's redelivery of what the killed one held. A consumer SIGKILLed
+// before it settled anything extends the recovery of the kill before it (one sample, counted
+// as unrecovered kills). Finally it fails when the graceful stop of the last consumer logged a
+// line at ERROR level.
 func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error {
 	unique := int64(len(d.w.ids))
 	probe, err := outbox.NewRelay(outbox.RelayConfig{Config: outboxConfig(d.schema), Pool: d.pool, Publisher: noPublisher{}}, nil)
@@ -39,24 +53,57 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 		return err
 	}
 	consumeStart := time.Now()
-	var kills int
-	var maxBacklog int64
-	var maxAge time.Duration
+	var kills, samples, unrecoveredKills int
+	var maxBacklog, maxVisible int64
+	var maxAge, maxGap, maxHold time.Duration
+	var maxHolder string
+	var recoveries []time.Duration
+	// killedAt: the earliest SIGKILL no consumer has settled a delivery after yet.
+	var killedAt time.Time
+	lastSample := time.Now()
+	sample := func() {
+		if lag, err := probe.Lag(ctx); err == nil {
+			maxBacklog = max(maxBacklog, lag.Pending)
+			maxAge = max(maxAge, lag.OldestAge)
+			samples++
+			maxGap = max(maxGap, time.Since(lastSample))
+			lastSample = time.Now()
+		}
+		if h, err := d.horizon(ctx); err == nil {
+			maxVisible = max(maxVisible, h.visible)
+			if h.oldestXact > maxHold {
+				maxHold, maxHolder = h.oldestXact, h.holder
+			}
+		}
+	}
+	// recovered reads c's SETTLED line, once, and records the recovery from killedAt.
+	recovered := func(c *child) {
+		if killedAt.IsZero() {
+			return
+		}
+		r, ok := c.report(lineSettled)
+		if !ok {
+			return
+		}
+		at := time.Unix(0, r.SettledAt)
+		rec := at.Sub(killedAt)
+		recoveries = append(recoveries, rec)
+		fmt.Fprintf(d.out, "soak        consumer #%d settled its first delivery %.2fs after the last SIGKILL\n", c.n, rec.Seconds())
+		killedAt = time.Time{}
+	}
 	for done := false; !done; {
 		c, err := d.startConsumer(crashPoint{})
 		if err != nil {
 			return err
 		}
-		life := soakMinLife + time.Duration(rng.Int64N(int64(soakMaxLife-soakMinLife)))
-		killAt := time.Now().Add(life)
+		started := time.Now()
+		killAt := started.Add(soakMinLife + time.Duration(rng.Int64N(int64(soakMaxLife-soakMinLife))))
 		for time.Now().Before(killAt) {
 			if c.exited() {
 				return d.childFailure(c, fmt.Errorf("consumer #%d exited by itself: %s", c.n, c.describeExit()))
 			}
-			if lag, err := probe.Lag(ctx); err == nil {
-				maxBacklog = max(maxBacklog, lag.Pending)
-				maxAge = max(maxAge, lag.OldestAge)
-			}
+			sample()
+			recovered(c)
 			rows, err := d.inboxRows(ctx)
 			if err != nil {
 				return d.childFailure(c, err)
@@ -65,18 +112,35 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 				done = true
 				break
 			}
-			if err := sleep(ctx, 250*time.Millisecond); err != nil {
+			if err := sleep(ctx, soakSample); err != nil {
 				return d.childFailure(c, err)
 			}
 		}
+		recovered(c)
+		if !killedAt.IsZero() {
+			unrecoveredKills++ // c settled nothing: the previous kill's recovery goes on
+		}
+		at := time.Now()
 		c.killAndWait()
 		if !c.killedBySIGKILL() {
 			return d.childFailure(c, fmt.Errorf("consumer #%d was not killed by SIGKILL: %s", c.n, c.describeExit()))
 		}
+		if killedAt.IsZero() {
+			killedAt = at
+		}
 		kills++
 		rows, _ := d.inboxRows(ctx)
-		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog so far at most %d rows (oldest %.1fs)\n",
-			c.n, life.Seconds(), rows, unique, maxBacklog, maxAge.Seconds())
+		var backlog int64
+		if lag, err := probe.Lag(ctx); err == nil {
+			backlog = lag.Pending
+		}
+		h, _ := d.horizon(ctx)
+		holder := ""
+		if h.oldestXact > time.Second {
+			holder = " (" + h.holder + ")"
+		}
+		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows (%d visible to the relay), so far at most %d (%d visible; oldest %.1fs); oldest transaction in the cluster %.1fs%s\n",
+			c.n, at.Sub(started).Seconds(), rows, unique, backlog, h.visible, maxBacklog, maxVisible, maxAge.Seconds(), h.oldestXact.Seconds(), holder)
 	}
 	soakTime := time.Since(consumeStart)
 
@@ -87,6 +151,7 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 	if err != nil {
 		return err
 	}
+	recovered(c)
 	if r, ok := c.report(lineStats); ok {
 		fmt.Fprintf(d.out, "last        consumer #%d stopped with SIGTERM once everything was processed, dead-lettered and relayed (processed %d, duplicates skipped %d, dead-lettered %d)\n",
 			c.n, r.Processed, r.Duplicates, r.DeadLettered)
@@ -96,6 +161,13 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 			return d.childFailure(c, fmt.Errorf("consumer #%d reported a data race", c.n))
 		}
 	}
+	// The consumer logs through slog's TextHandler: "level=ERROR".
+	stopLog := c.stopLog()
+	if n := strings.Count(stopLog, "level=ERROR"); n > 0 {
+		fmt.Fprintf(os.Stderr, "--- consumer #%d's log after SIGTERM ---\n%s---\n", c.n, stopLog)
+		return fmt.Errorf("the graceful stop of consumer #%d logged %d lines at ERROR level", c.n, n)
+	}
+	fmt.Fprintf(d.out, "stop        consumer #%d's graceful stop logged no ERROR line (%d WARN)\n", c.n, strings.Count(stopLog, "level=WARN"))
 	if err := d.verifyInbox(ctx, unique); err != nil {
 		return err
 	}
@@ -113,9 +185,56 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(d.out, "verified    %d unique payments (%d deliveries), every balance (%d cents), %d dead letters, %d receipts once each; broker %d left (%s)\n",
-		unique, len(d.w.deliveries), total, len(d.w.poisonIDs), unique, pending, d.broker.pendingMeaning)
-	fmt.Fprintf(d.out, "soak        %d SIGKILLs in %.1fs (%.0f unique payments/s while killing); relay backlog never above %d rows, oldest pending receipt %.1fs; %.1fs in total\n",
-		kills, soakTime.Seconds(), float64(unique)/soakTime.Seconds(), maxBacklog, maxAge.Seconds(), time.Since(start).Seconds())
+	fmt.Fprintf(d.out, "verified    %d unique payments (%d deliveries, %d of them re-sent duplicates), every balance (%d cents), %d dead letters, %d receipts once each; broker %d left (%s)\n",
+		unique, len(d.w.deliveries), d.w.duplicates, total, len(d.w.poisonIDs), unique, pending, d.broker.pendingMeaning)
+	fmt.Fprintf(d.out, "soak        %d SIGKILLs in %.1fs (%.0f unique payments/s while killing); relay backlog never above %d rows (%d samples, at most %.2fs apart), oldest pending receipt %.1fs; %.1fs in total\n",
+		kills, soakTime.Seconds(), float64(unique)/soakTime.Seconds(), maxBacklog, samples, maxGap.Seconds(), maxAge.Seconds(), time.Since(start).Seconds())
+	fmt.Fprintf(d.out, "horizon     of that backlog, at most %d rows were visible to the relay (below the cluster's oldest running transaction); the oldest transaction seen in the cluster was %.1fs old (%s)\n",
+		maxVisible, maxHold.Seconds(), maxHolder)
+	if len(recoveries) > 0 {
+		slices.Sort(recoveries)
+		fmt.Fprintf(d.out, "recovery    SIGKILL to the next consumer's first settled delivery: min %.2fs, median %.2fs, max %.2fs (%d samples; %d consumers killed before settling one)\n",
+			recoveries[0].Seconds(), recoveries[len(recoveries)/2].Seconds(), recoveries[len(recoveries)-1].Seconds(), len(recoveries), unrecoveredKills)
+	}
 	return nil
+}
+
+// horizonSample is what holds the relay back, read by horizon.
+type horizonSample struct {
+	// visible: pending outbox rows the relay can read now. Its REPEATABLE READ snapshot sees
+	// a row only when the row's transaction ID is below pg_snapshot_xmin, the oldest
+	// transaction still running anywhere in the cluster (watermill-sql's PostgreSQL schema);
+	// the rest of the backlog waits for that transaction, however fast the relay is.
+	visible int64
+	// oldestXact: the age of the oldest transaction in the cluster that holds a transaction
+	// ID (pg_stat_activity.backend_xid), this run's or any other session's; holder says whose
+	// (its pid and application_name).
+	oldestXact time.Duration
+	holder     string
+}
+
+// horizon reads how much of the relay's backlog the cluster's oldest transaction hides.
+func (d *demo) horizon(ctx context.Context) (horizonSample, error) {
+	cfg := outboxConfig(d.schema)
+	msgs, offs := cfg.MessagesTable(), cfg.OffsetsTable()
+	var h horizonSample
+	var age float64
+	err := d.pool.QueryRow(ctx, `WITH g AS (
+		SELECT coalesce((SELECT offset_acked FROM `+offs+` WHERE consumer_group = ''), 0) AS offset_acked,
+		       coalesce((SELECT last_processed_transaction_id FROM `+offs+` WHERE consumer_group = ''), '0'::xid8) AS tx
+	)
+	SELECT (SELECT count(*) FROM `+msgs+` m, g
+	        WHERE ((m.transaction_id = g.tx AND m."offset" > g.offset_acked) OR m.transaction_id > g.tx)
+	          AND m.transaction_id < pg_snapshot_xmin(pg_current_snapshot())),
+	       coalesce(o.age, 0)::float8, coalesce(o.holder, '')
+	FROM (SELECT 1) one LEFT JOIN (
+		SELECT extract(epoch FROM clock_timestamp() - xact_start) AS age,
+		       format('pid %s, application_name %L', pid, application_name) AS holder
+		FROM pg_stat_activity WHERE backend_xid IS NOT NULL ORDER BY xact_start LIMIT 1
+	) o ON true`).Scan(&h.visible, &age, &h.holder)
+	if err != nil {
+		return h, fmt.Errorf("read the relay's horizon: %w", err)
+	}
+	h.oldestXact = time.Duration(age * float64(time.Second))
+	return h, nil
 }
