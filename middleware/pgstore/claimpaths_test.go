@@ -54,12 +54,12 @@ func connSettings(t *testing.T, pool *pgxpool.Pool) (lt string, saved *string, p
 	return lt, saved, c.Conn().PgConn().PID()
 }
 
-// TestReview4HandlerLockTimeoutEverywhere: with a session lock_timeout of 7s (a role's
+// TestHandlerLockTimeoutEverywhere: with a session lock_timeout of 7s (a role's
 // default), on every layout, claim path and isolation level, with and without
 // StatementTimeout, the handler runs under 7s, never the claim's 2 ms; and after a claim, a
 // duplicate, a dead-lettered key and a claim that gave up behind a claim in flight, the pooled
 // connection's next user finds lock_timeout 7s.
-func TestReview4HandlerLockTimeoutEverywhere(t *testing.T) {
+func TestHandlerLockTimeoutEverywhere(t *testing.T) {
 	isos := []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable}
 	for _, l := range everyLayout {
 		t.Run(l.name, func(t *testing.T) {
@@ -266,13 +266,13 @@ func TestClaimBehindAClaimInFlightAlwaysSaysSo(t *testing.T) {
 	}
 }
 
-// TestReview4MigratedCompactRowsPurgeAndHashes: a first-version compact table (plain and
+// TestMigratedCompactRowsPurgeAndHashes: a first-version compact table (plain and
 // partitioned) holding rows received at known seconds of one minute and the next, with
 // payload hashes whose first byte has its high bit set (negative as an integer), is migrated
 // by 0003; then each row's duplicate still reports the first 2 bytes of its own hash, another
 // payload is told apart, and purge never deletes a row received at or after Before (minute
 // resolution may only keep rows longer).
-func TestReview4MigratedCompactRowsPurgeAndHashes(t *testing.T) {
+func TestMigratedCompactRowsPurgeAndHashes(t *testing.T) {
 	ctx := context.Background()
 	for _, part := range []bool{false, true} {
 		t.Run(fmt.Sprintf("partitioned=%v", part), func(t *testing.T) {
@@ -380,12 +380,12 @@ func TestReview4MigratedCompactRowsPurgeAndHashes(t *testing.T) {
 	}
 }
 
-// TestReview4ConcurrentBatchesShareAKey: on every layout, a plain and a counted batch claim
+// TestConcurrentBatchesShareAKey: on every layout, a plain and a counted batch claim
 // of keys [b, c] behind an open batch of [a, b]: it waits (in process) until the first
 // commits, then claims c and reports b as a duplicate with the first batch's stored hash
 // (its first 2 bytes in the compact layout, whose first byte is >= 0x80 here), so that the
 // same payload is a duplicate and another payload a collision.
-func TestReview4ConcurrentBatchesShareAKey(t *testing.T) {
+func TestConcurrentBatchesShareAKey(t *testing.T) {
 	hashOf := func(s string) []byte {
 		for n := 0; ; n++ {
 			h := sha256.Sum256([]byte(fmt.Sprintf("%s-%d", s, n)))
@@ -457,16 +457,16 @@ func TestReview4ConcurrentBatchesShareAKey(t *testing.T) {
 	}
 }
 
-// TestReview4RoleDefaultLockTimeout: a role whose default lock_timeout is 3s (ALTER ROLE ...
+// TestRoleDefaultLockTimeout: a role whose default lock_timeout is 3s (ALTER ROLE ...
 // SET lock_timeout) claims on the text and compact layouts by every path: its handlers run
 // under 3s, and its pooled connection keeps 3s afterwards. The role is the test's own and is
 // dropped at the end.
-func TestReview4RoleDefaultLockTimeout(t *testing.T) {
+func TestRoleDefaultLockTimeout(t *testing.T) {
 	ctx := context.Background()
 	for _, l := range everyLayout[:2] {
 		t.Run(l.name, func(t *testing.T) {
 			migrated, sch := layoutStore(t, 2, l.cfg)
-			role := "review4_lt_" + sch.Name
+			role := "lock_timeout_role_" + sch.Name
 			ident := pgx.Identifier{role}.Sanitize()
 			schema := pgx.Identifier{sch.Name}.Sanitize()
 			sch.Exec(t, "CREATE ROLE "+ident+" LOGIN")

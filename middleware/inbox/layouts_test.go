@@ -16,14 +16,14 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
-// TestReview4PoisonWithTheDeadLetterTopicDown: on every layout, immediate and batched (the
+// TestPoisonWithTheDeadLetterTopicDown: on every layout, immediate and batched (the
 // poison message delivered beside three healthy ones, so it meets them in a batch), a message
 // whose handler always fails, MaxAttempts 3, counting first (no redelivery signal), while the
 // dead-letter topic is down: the handler runs exactly 3 times whatever the number of
 // redeliveries, the record never holds more than 3 attempts (CountLimit), the healthy
 // messages are applied once each; once the topic is back, one dead letter, the record
 // dead-lettered with 3 attempts, and no live attempt record left.
-func TestReview4PoisonWithTheDeadLetterTopicDown(t *testing.T) {
+func TestPoisonWithTheDeadLetterTopicDown(t *testing.T) {
 	const maxAttempts, rounds = 3, 8
 	for _, batched := range []bool{false, true} {
 		forEachLayout(t, func(t *testing.T, l storeLayout) {
@@ -96,12 +96,12 @@ func TestReview4PoisonWithTheDeadLetterTopicDown(t *testing.T) {
 	}
 }
 
-// TestReview4FloodOfCopiesOnEveryLayout: on every layout, immediate and batched, at each
+// TestFloodOfCopiesOnEveryLayout: on every layout, immediate and batched, at each
 // isolation level, 12 copies of
 // one healthy message at once (half flagged as redeliveries), with dead letters on
 // (MaxAttempts 2) and the default claim lock timeout: each message is applied exactly once,
 // nothing is dead-lettered, and the attempts table is empty at the end.
-func TestReview4FloodOfCopiesOnEveryLayout(t *testing.T) {
+func TestFloodOfCopiesOnEveryLayout(t *testing.T) {
 	const copies, rounds = 12, 8
 	for _, batched := range []bool{false, true} {
 		forEachLayout(t, func(t *testing.T, l storeLayout) {
@@ -145,12 +145,12 @@ func TestReview4FloodOfCopiesOnEveryLayout(t *testing.T) {
 	}
 }
 
-// TestReview4BatchMateWithoutAPartitionDoesNotNackTheOthers: partitioned inbox table, batched
+// TestBatchMateWithoutAPartitionDoesNotNackTheOthers: partitioned inbox table, batched
 // mode, no retention guard: a delivery whose UUIDv7 is five days old (no partition for its
 // period) arrives with three healthy deliveries and shares their batch. The healthy ones are
 // applied and acked on their first delivery, as in the immediate mode; only the one without
 // a partition fails (ErrNoPartition).
-func TestReview4BatchMateWithoutAPartitionDoesNotNackTheOthers(t *testing.T) {
+func TestBatchMateWithoutAPartitionDoesNotNackTheOthers(t *testing.T) {
 	e := newEnv(t, 8)
 	s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, Table: "part_inbox", Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
 	if err != nil {
