@@ -26,7 +26,9 @@ type bareTxKey struct{}
 // handler's UPDATE, COMMIT; no claim), at 1, 8 and 32 concurrent deliveries. ratio is
 // inbox/bare; ratio-dlq is the same for an inbox with a dead-letter topic on a broker that
 // signals first deliveries (counted only when they fail), ratio-dlq-nosignal for one without
-// that signal (every delivery counted durably before its handler). All run in the same
+// that signal (every delivery counted durably before its handler), ratio-nolocktimeout for the
+// plain inbox with pgstore's ClaimLockTimeout off (the default sets it inside the claim
+// statement). All run in the same
 // benchmark iteration, interleaved, so their ratios are measured under the same machine load. Each delivery is acked before its publisher sends the next message
 // (BlockPublishUntilSubscriberAck), so concurrency is exactly the number of delivery slots.
 //
@@ -57,6 +59,16 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		b.Fatal(err)
 	}
 	counted, err := inbox.New(inbox.Config{Store: store, ConsumerName: "bench-counted", DeadLetterPublisher: dlq, DeadLetterTopic: "dead"}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	// The plain inbox with the claim's short lock_timeout off (pgstore.Config.ClaimLockTimeout
+	// negative): what the default's in-statement lock_timeout costs, in the same run.
+	noLTStore, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, ClaimLockTimeout: -1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	noLT, err := inbox.New(inbox.Config{Store: noLTStore, ConsumerName: "bench-nolt"}, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -105,6 +117,10 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			_, err := signalled.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
 		})
+		router.AddConsumerHandler(fmt.Sprintf("nolt-%d", i), fmt.Sprintf("nolt-%d", i), pubsub, func(m *message.Message) error {
+			_, err := noLT.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
+			return err
+		})
 		router.AddConsumerHandler(fmt.Sprintf("counted-%d", i), fmt.Sprintf("counted-%d", i), pubsub, func(m *message.Message) error {
 			_, err := counted.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
@@ -140,9 +156,10 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	run("inbox", 2*slots)
 	run("dlq", 2*slots)
 	run("counted", 2*slots)
+	run("nolt", 2*slots)
 
 	b.ResetTimer()
-	var bareT, inboxT, dlqT, countedT time.Duration
+	var bareT, inboxT, dlqT, countedT, noLTT time.Duration
 	// Interleave in chunks so both modes see the same machine conditions.
 	const chunks = 4
 	for c := range chunks {
@@ -154,6 +171,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		inboxT += run("inbox", n)
 		dlqT += run("dlq", n)
 		countedT += run("counted", n)
+		noLTT += run("nolt", n)
 	}
 	b.StopTimer()
 	bareRate := float64(b.N) / bareT.Seconds()
@@ -163,6 +181,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	b.ReportMetric(inboxRate/bareRate, "ratio")
 	b.ReportMetric(float64(b.N)/dlqT.Seconds()/bareRate, "ratio-dlq")
 	b.ReportMetric(float64(b.N)/countedT.Seconds()/bareRate, "ratio-dlq-nosignal")
+	b.ReportMetric(float64(b.N)/noLTT.Seconds()/bareRate, "ratio-nolocktimeout")
 	b.ReportMetric(0, "ns/op")
 	if got := ib.Stats().Processed; got < uint64(b.N) {
 		b.Fatalf("inbox processed %d of %d messages", got, b.N)
