@@ -17,7 +17,7 @@ import (
 
 // DefaultPurgePause is the pause between two purge batches when PurgeExpiredParams.Pause is
 // zero: it lets claims and replication catch up between delete transactions.
-const DefaultPurgePause = 50 * time.Millisecond
+const DefaultPurgePause = 200 * time.Millisecond
 
 // ErrPurgeInProgress is returned by PurgeExpired when another purger (another instance, or
 // the CLI) holds the table's purge lock: exactly one purger runs at a time per inbox table.

@@ -26,18 +26,27 @@ import (
 //
 //	go test ./middleware/pgstore -run '^$' -bench PurgeUnderClaims -benchtime 1x -count 3
 //
-// INBOX_BENCH_PURGE_ROWS overrides the 1,000,000 rows (e.g. 100000 for a quick look).
+// INBOX_BENCH_PURGE_ROWS overrides the 1,000,000 rows (e.g. 100000 for a quick look);
+// INBOX_BENCH_PURGE_PAUSE and INBOX_BENCH_PURGE_BATCH the purge's pause (a Go duration) and
+// batch size (rows), defaults DefaultPurgePause and DefaultPurgeBatchSize.
 func BenchmarkPurgeUnderClaims(b *testing.B) {
 	rows := 1_000_000
 	if v, err := strconv.Atoi(os.Getenv("INBOX_BENCH_PURGE_ROWS")); err == nil && v > 0 {
 		rows = v
 	}
+	var p pgstore.PurgeExpiredParams
+	if v, err := time.ParseDuration(os.Getenv("INBOX_BENCH_PURGE_PAUSE")); err == nil && v > 0 {
+		p.Pause = v
+	}
+	if v, err := strconv.Atoi(os.Getenv("INBOX_BENCH_PURGE_BATCH")); err == nil && v > 0 {
+		p.BatchSize = v
+	}
 	for i := 0; i < b.N; i++ {
-		purgeUnderClaims(b, rows)
+		purgeUnderClaims(b, rows, p)
 	}
 }
 
-func purgeUnderClaims(b *testing.B, rows int) {
+func purgeUnderClaims(b *testing.B, rows int, p pgstore.PurgeExpiredParams) {
 	b.StopTimer()
 	sch := testenv.NewSchema(b, 8)
 	ctx := context.Background()
@@ -136,7 +145,7 @@ func purgeUnderClaims(b *testing.B, rows int) {
 	done := make(chan []time.Duration)
 	go func() { done <- claims(stop) }()
 	start := time.Now()
-	rep, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{})
+	rep, err := s.PurgeExpired(ctx, p)
 	took := time.Since(start)
 	close(stop)
 	during := <-done
