@@ -9,8 +9,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // deferredCmd operates the store-then-process inbox table (package middleware/deferred):
@@ -210,10 +208,7 @@ func deferredStatsCmd() *cobra.Command {
 
 func deferredPurgeCmd() *cobra.Command {
 	var f deferredFlags
-	var r inbox.Retention
-	var p pgstore.PurgeExpiredParams
-	var topics []string
-	var topicSchema string
+	var pf purgeFlags
 	cmd := &cobra.Command{
 		Use:   "purge --consumer billing --window 14d",
 		Short: "Delete a consumer's done rows that have left the retention window, in bounded batches",
@@ -230,42 +225,18 @@ func deferredPurgeCmd() *cobra.Command {
 			if f.consumer == "" {
 				return usageError{fmt.Errorf("--consumer is required")}
 			}
-			if r.Window == 0 {
-				return usageError{fmt.Errorf("--window is required: the retention window your consumers are configured with (e.g. 14d)")}
+			if err := pf.check(); err != nil {
+				return err
 			}
-			if p.BatchSize < 1 {
-				return usageError{fmt.Errorf("--batch-size must be at least 1")}
-			}
-			for _, t := range topics {
-				wt := pgstore.WatermillTopic{Schema: topicSchema, Topic: t}
-				if err := wt.Validate(); err != nil {
-					return usageError{err}
-				}
-				p.Topics = append(p.Topics, wt)
-			}
-			ib, pool, err := f.openWith(cmd, deferred.Config{Retention: r})
+			ib, pool, err := f.openWith(cmd, deferred.Config{Retention: pf.r})
 			if err != nil {
 				return err
 			}
 			defer pool.Close()
-			out, errOut := cmd.OutOrStdout(), cmd.ErrOrStderr()
-			p.Progress = progressPrinter(errOut, p.DryRun)
-			rep, err := ib.PurgeExpired(cmd.Context(), p)
-			if !rep.Now.IsZero() {
-				printReport(out, ib, rep)
-			}
-			return err
+			return pf.run(cmd, ib, ib.PurgeExpired)
 		},
 	}
 	f.register(cmd, true)
-	fl := cmd.Flags()
-	fl.Var(days{&r.Window}, "window", "retention window of done rows (required), e.g. 14d or 36h")
-	fl.Var(days{&r.MaxRedelivery}, "max-redelivery", "the longest time a copy of a message can still arrive (default 7d)")
-	fl.Var(days{&r.Margin}, "margin", "added to --max-redelivery to get the shortest accepted window (default 1d)")
-	fl.IntVar(&p.BatchSize, "batch-size", pgstore.DefaultPurgeBatchSize, "rows deleted per transaction")
-	fl.DurationVar(&p.Pause, "pause", pgstore.DefaultPurgePause, "pause between batches")
-	fl.StringArrayVar(&topics, "topic", nil, "a watermill-sql topic whose consumed rows are purged too (repeatable), e.g. inbox_outbox")
-	fl.StringVar(&topicSchema, "topic-schema", "", "schema of the --topic tables (default: the connection's search_path)")
-	fl.BoolVar(&p.DryRun, "dry-run", false, "print what would be deleted; delete nothing")
+	pf.register(cmd, "done rows")
 	return cmd
 }

@@ -98,10 +98,7 @@ func (f *storeFlags) connect(ctx context.Context, cfg pgstore.Config) (*pgstore.
 
 func purgeCmd() *cobra.Command {
 	var f storeFlags
-	var r inbox.Retention
-	var p pgstore.PurgeExpiredParams
-	var topics []string
-	var topicSchema string
+	var pf purgeFlags
 	cmd := &cobra.Command{
 		Use:   "purge --window 14d",
 		Short: "Delete rows that have left the retention window, in bounded batches",
@@ -115,50 +112,73 @@ func purgeCmd() *cobra.Command {
 			"nothing. See docs/retention.md.",
 		Args: usageArgs(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if r.Window == 0 {
-				return usageError{fmt.Errorf("--window is required: the retention window your consumers are configured with (e.g. 14d)")}
+			if err := pf.check(); err != nil {
+				return err
 			}
-			if p.BatchSize < 1 {
-				return usageError{fmt.Errorf("--batch-size must be at least 1")}
-			}
-			for _, t := range topics {
-				wt := pgstore.WatermillTopic{Schema: topicSchema, Topic: t}
-				if err := wt.Validate(); err != nil {
-					return usageError{err}
-				}
-				p.Topics = append(p.Topics, wt)
-			}
-			store, pool, err := f.connect(cmd.Context(), pgstore.Config{Retention: r})
+			store, pool, err := f.connect(cmd.Context(), pgstore.Config{Retention: pf.r})
 			if err != nil {
 				return err
 			}
 			defer pool.Close()
-			out, errOut := cmd.OutOrStdout(), cmd.ErrOrStderr()
-			p.Progress = progressPrinter(errOut, p.DryRun)
-			rep, err := store.PurgeExpired(cmd.Context(), p)
-			if err != nil {
-				if rep.Now.IsZero() {
-					return err
-				}
-				printReport(out, store, rep)
-				return err
-			}
-			printReport(out, store, rep)
-			return nil
+			return pf.run(cmd, store, store.PurgeExpired)
 		},
 	}
 	f.register(cmd)
-	fl := cmd.Flags()
-	fl.Var(days{&r.Window}, "window", "retention window of processed rows (required), e.g. 14d or 36h")
-	fl.Var(days{&r.MaxRedelivery}, "max-redelivery", "the longest time a copy of a message can still arrive (default 7d)")
-	fl.Var(days{&r.Margin}, "margin", "added to --max-redelivery to get the shortest accepted window (default 1d)")
-	fl.Var(days{&r.DeadLetterWindow}, "dead-letter-window", "how long dead-lettered records are kept (default 30d, at least --window)")
-	fl.IntVar(&p.BatchSize, "batch-size", pgstore.DefaultPurgeBatchSize, "rows deleted per transaction")
-	fl.DurationVar(&p.Pause, "pause", pgstore.DefaultPurgePause, "pause between batches")
-	fl.StringArrayVar(&topics, "topic", nil, "a watermill-sql topic whose consumed rows are purged too (repeatable), e.g. inbox_outbox")
-	fl.StringVar(&topicSchema, "topic-schema", "", "schema of the --topic tables (default: the connection's search_path)")
-	fl.BoolVar(&p.DryRun, "dry-run", false, "print what would be deleted; delete nothing")
+	pf.register(cmd, "processed rows")
+	cmd.Flags().Var(days{&pf.r.DeadLetterWindow}, "dead-letter-window", "how long dead-lettered records are kept (default 30d, at least --window)")
 	return cmd
+}
+
+// purgeFlags are the flags and checks purge and deferred purge share.
+type purgeFlags struct {
+	r           inbox.Retention
+	p           pgstore.PurgeExpiredParams
+	topics      []string
+	topicSchema string
+}
+
+// register adds the retention window (of what: "processed rows", "done rows"), the batch, the
+// pause, the topics and the dry run.
+func (pf *purgeFlags) register(cmd *cobra.Command, what string) {
+	fl := cmd.Flags()
+	fl.Var(days{&pf.r.Window}, "window", "retention window of "+what+" (required), e.g. 14d or 36h")
+	fl.Var(days{&pf.r.MaxRedelivery}, "max-redelivery", "the longest time a copy of a message can still arrive (default 7d)")
+	fl.Var(days{&pf.r.Margin}, "margin", "added to --max-redelivery to get the shortest accepted window (default 1d)")
+	fl.IntVar(&pf.p.BatchSize, "batch-size", pgstore.DefaultPurgeBatchSize, "rows deleted per transaction")
+	fl.DurationVar(&pf.p.Pause, "pause", pgstore.DefaultPurgePause, "pause between batches")
+	fl.StringArrayVar(&pf.topics, "topic", nil, "a watermill-sql topic whose consumed rows are purged too (repeatable), e.g. inbox_outbox")
+	fl.StringVar(&pf.topicSchema, "topic-schema", "", "schema of the --topic tables (default: the connection's search_path)")
+	fl.BoolVar(&pf.p.DryRun, "dry-run", false, "print what would be deleted; delete nothing")
+}
+
+// check reports a missing window, a batch size below 1 or an invalid topic as a usage error,
+// before anything connects, and adds the topics to the purge's parameters.
+func (pf *purgeFlags) check() error {
+	if pf.r.Window == 0 {
+		return usageError{fmt.Errorf("--window is required: the retention window your consumers are configured with (e.g. 14d)")}
+	}
+	if pf.p.BatchSize < 1 {
+		return usageError{fmt.Errorf("--batch-size must be at least 1")}
+	}
+	for _, t := range pf.topics {
+		wt := pgstore.WatermillTopic{Schema: pf.topicSchema, Topic: t}
+		if err := wt.Validate(); err != nil {
+			return usageError{err}
+		}
+		pf.p.Topics = append(pf.p.Topics, wt)
+	}
+	return nil
+}
+
+// run purges with progress lines on standard error and prints the report on standard output
+// (also after an error, when the purge got as far as reading the clock).
+func (pf *purgeFlags) run(cmd *cobra.Command, store inbox.RetentionStore, purge func(context.Context, pgstore.PurgeExpiredParams) (pgstore.PurgeReport, error)) error {
+	pf.p.Progress = progressPrinter(cmd.ErrOrStderr(), pf.p.DryRun)
+	rep, err := purge(cmd.Context(), pf.p)
+	if !rep.Now.IsZero() {
+		printReport(cmd.OutOrStdout(), store, rep)
+	}
+	return err
 }
 
 // progressPrinter reports a long purge on w: a line per table at most every 2 seconds, and
