@@ -239,7 +239,11 @@ func batchedChild(t *testing.T, h Harness) {
 	ib, err := inbox.New(inbox.Config{
 		Store: s, ConsumerName: consumerName, BrokerSideFields: b.BrokerSideFields, Redelivery: b.Redelivery,
 		DeadLetterPublisher: b.Publisher, DeadLetterTopic: topic + "_dead",
-		Batch: inbox.BatchConfig{Size: size, Linger: 200 * time.Millisecond},
+		// The backlog is published before the child starts, but its records reach the
+		// handlers as each partition's claim starts (on Kafka, after the first-delivery
+		// signal reads the partition's high watermark): a long linger gathers them into one
+		// batch however far apart they arrive. The batch still starts at once when full.
+		Batch: inbox.BatchConfig{Size: size, Linger: time.Second},
 	}, nil)
 	if err != nil {
 		t.Fatal(err)
