@@ -2,8 +2,6 @@ package deferred_test
 
 import (
 	"context"
-	"net/url"
-	"strings"
 	"testing"
 	"time"
 
@@ -23,30 +21,11 @@ import (
 func TestGrantSQLRunsTheWholePath(t *testing.T) {
 	_, sch := newInbox(t, deferred.Config{}, 2) // migrated by the schema's owner
 	ctx := context.Background()
-	role := sch.Name + "_app"
-	ident := pgx.Identifier{role}.Sanitize()
-	sch.Exec(t, "CREATE ROLE "+ident+" LOGIN")
-	t.Cleanup(func() {
-		_, _ = sch.Pool.Exec(context.Background(), "DROP OWNED BY "+ident)
-		_, _ = sch.Pool.Exec(context.Background(), "DROP ROLE "+ident)
+	_, roleURL := testenv.GrantedRole(t, sch, func(role string) (string, error) {
+		grants, err := deferred.GrantSQL(deferred.Config{Schema: sch.Name}, role)
+		return grants + "GRANT SELECT, UPDATE ON accounts TO " + pgx.Identifier{role}.Sanitize() + ";\n", err
 	})
-	grants, err := deferred.GrantSQL(deferred.Config{Schema: sch.Name}, role)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(grants, "\n") {
-		if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "--") {
-			sch.Exec(t, line)
-		}
-	}
-	sch.Exec(t, "GRANT SELECT, UPDATE ON accounts TO "+ident)
-	var create bool
-	if err := sch.Pool.QueryRow(ctx, "SELECT has_schema_privilege($1, $2, 'CREATE') OR has_database_privilege($1, current_database(), 'CREATE')", role, sch.Name).Scan(&create); err != nil || create {
-		t.Fatalf("the role may create (%v, %v): the test would prove nothing", create, err)
-	}
-	u, _ := url.Parse(sch.URL)
-	u.User = url.User(role)
-	app := testenv.NewPool(t, u.String(), 6)
+	app := testenv.NewPool(t, roleURL, 6)
 	ib, err := deferred.New(deferred.Config{Pool: app, Schema: sch.Name, ConsumerName: "billing", PollInterval: 100 * time.Millisecond,
 		Retention: inbox.Retention{Window: 48 * time.Hour, MaxRedelivery: time.Hour, Margin: time.Hour}}, testLogger)
 	if err != nil {

@@ -3,7 +3,6 @@ package outbox_test
 import (
 	"context"
 	"errors"
-	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -63,36 +62,15 @@ func (p *capturePublisher) count() int {
 // returns it with a pool of conns connections logged in as it.
 func appRole(t *testing.T, sch *testenv.Schema, obCfg outbox.Config, conns int32) (string, *pgxpool.Pool) {
 	t.Helper()
-	ctx := context.Background()
-	role := sch.Name + "_app"
-	ident := pgx.Identifier{role}.Sanitize()
-	sch.Exec(t, "CREATE ROLE "+ident+" LOGIN")
-	t.Cleanup(func() {
-		_, _ = sch.Pool.Exec(context.Background(), "DROP OWNED BY "+ident)
-		_, _ = sch.Pool.Exec(context.Background(), "DROP ROLE "+ident)
-	})
-	grants, err := pgstore.GrantSQL(pgstore.Config{Schema: sch.Name}, role)
-	if err != nil {
-		t.Fatal(err)
-	}
-	obGrants, err := outbox.GrantSQL(obCfg, role)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(grants+obGrants, "\n") {
-		if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "--") {
-			sch.Exec(t, line)
+	role, roleURL := testenv.GrantedRole(t, sch, func(role string) (string, error) {
+		grants, err := pgstore.GrantSQL(pgstore.Config{Schema: sch.Name}, role)
+		if err != nil {
+			return "", err
 		}
-	}
-	sch.Exec(t, "GRANT SELECT, UPDATE ON accounts TO "+ident)
-	var createSchema, createDB bool
-	if err := sch.Pool.QueryRow(ctx, "SELECT has_schema_privilege($1, $2, 'CREATE'), has_database_privilege($1, current_database(), 'CREATE')",
-		role, sch.Name).Scan(&createSchema, &createDB); err != nil || createSchema || createDB {
-		t.Fatalf("the application role may create (schema %v, database %v, %v): the test would prove nothing", createSchema, createDB, err)
-	}
-	u, _ := url.Parse(sch.URL)
-	u.User = url.User(role)
-	return role, testenv.NewPool(t, u.String(), conns)
+		obGrants, err := outbox.GrantSQL(obCfg, role)
+		return grants + obGrants + "GRANT SELECT, UPDATE ON accounts TO " + pgx.Identifier{role}.Sanitize() + ";\n", err
+	})
+	return role, testenv.NewPool(t, roleURL, conns)
 }
 
 // TestLeastPrivilegedRoleRunsTheWholePath: a role with exactly the documented grants (no

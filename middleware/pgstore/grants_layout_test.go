@@ -2,12 +2,8 @@ package pgstore_test
 
 import (
 	"context"
-	"net/url"
-	"strings"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -24,31 +20,10 @@ func TestGrantSQLRunsEveryLayout(t *testing.T) {
 		t.Run(l.name, func(t *testing.T) {
 			owner, sch := layoutStore(t, 2, l.cfg)
 			ctx := context.Background()
-			role := sch.Name + "_app"
-			ident := pgx.Identifier{role}.Sanitize()
-			sch.Exec(t, "CREATE ROLE "+ident+" LOGIN")
-			t.Cleanup(func() {
-				_, _ = sch.Pool.Exec(context.Background(), "DROP OWNED BY "+ident)
-				_, _ = sch.Pool.Exec(context.Background(), "DROP ROLE "+ident)
-			})
-			grants, err := pgstore.GrantSQL(owner.Config(), role)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, line := range strings.Split(grants, "\n") {
-				if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "--") {
-					sch.Exec(t, line)
-				}
-			}
-			var create bool
-			if err := sch.Pool.QueryRow(ctx, "SELECT has_schema_privilege($1, $2, 'CREATE') OR has_database_privilege($1, current_database(), 'CREATE')", role, sch.Name).Scan(&create); err != nil || create {
-				t.Fatalf("the role may create (%v, %v): the test would prove nothing", create, err)
-			}
-			u, _ := url.Parse(sch.URL)
-			u.User = url.User(role)
+			_, roleURL := testenv.GrantedRole(t, sch, func(role string) (string, error) { return pgstore.GrantSQL(owner.Config(), role) })
 			cfg := owner.Config()
 			cfg.Retention = inbox.Retention{Window: 48 * time.Hour, MaxRedelivery: time.Hour, Margin: time.Hour}
-			s, err := pgstore.New(testenv.NewPool(t, u.String(), 2), cfg)
+			s, err := pgstore.New(testenv.NewPool(t, roleURL, 2), cfg)
 			if err != nil {
 				t.Fatal(err)
 			}
