@@ -27,8 +27,8 @@ type bareTxKey struct{}
 // inbox/bare; ratio-dlq is the same for an inbox with a dead-letter topic on a broker that
 // signals first deliveries (counted only when they fail), ratio-dlq-nosignal for one without
 // that signal (every delivery counted durably before its handler), ratio-nolocktimeout for the
-// plain inbox with pgstore's ClaimLockTimeout off (the default sets it inside the claim
-// statement). All run in the same
+// plain inbox with pgstore's ClaimLockTimeout negative (no protection against a flood of one
+// key: the default tries the key's advisory lock inside the claim statement). All run in the same
 // benchmark iteration, interleaved, so their ratios are measured under the same machine load. Each delivery is acked before its publisher sends the next message
 // (BlockPublishUntilSubscriberAck), so concurrency is exactly the number of delivery slots.
 //
@@ -62,8 +62,8 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	// The plain inbox with the claim's short lock_timeout off (pgstore.Config.ClaimLockTimeout
-	// negative): what the default's in-statement lock_timeout costs, in the same run.
+	// The plain inbox with the claim's flood protection off (pgstore.Config.ClaimLockTimeout
+	// negative): what the default's tried key lock costs, in the same run.
 	noLTStore, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, ClaimLockTimeout: -1})
 	if err != nil {
 		b.Fatal(err)

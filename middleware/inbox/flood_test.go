@@ -39,77 +39,85 @@ func flood(h message.HandlerFunc, msg *message.Message) (wait func()) {
 
 // TestSameKeyFloodDoesNotStarveOtherKeys: 100 concurrent copies of one message, whose first
 // delivery holds its claim for 4 s, with a pool of 5 connections and a ClaimTimeout of 3 s
-// (shorter than the flood's hold): a copy gives its connection back after
-// pgstore.DefaultClaimLockTimeout and waits without one, so 40 unrelated messages delivered
-// meanwhile are each processed at their first delivery (before, the copies held every
-// connection until the first committed, and the unrelated claims timed out waiting for a
-// connection). The flood's message is applied exactly once; nothing is counted or
-// dead-lettered; with attempt counting on (every copy counts first) as well as without.
+// (shorter than the flood's hold): a copy gives its connection back at once (the default
+// ClaimLockTimeout: the key's lock tried) or after a positive ClaimLockTimeout, and waits
+// without one, so 40 unrelated messages delivered meanwhile are each processed at their
+// first delivery (before, the copies held every connection until the first committed, and
+// the unrelated claims timed out waiting for a connection). The flood's message is applied
+// exactly once; nothing is counted or dead-lettered; with attempt counting on (every copy
+// counts first) as well as without.
 func TestSameKeyFloodDoesNotStarveOtherKeys(t *testing.T) {
-	for _, counted := range []bool{false, true} {
-		name := "plain"
-		if counted {
-			name = "counted"
+	for _, mode := range []struct {
+		name    string
+		timeout time.Duration
+	}{{"tried-lock", 0}, {"lock-timeout", pgstore.DefaultClaimLockTimeout}} {
+		for _, counted := range []bool{false, true} {
+			name := mode.name + "/plain"
+			if counted {
+				name = mode.name + "/counted"
+			}
+			t.Run(name, func(t *testing.T) { testSameKeyFlood(t, mode.timeout, counted) })
 		}
-		t.Run(name, func(t *testing.T) {
-			e := newEnv(t, floodPool)
-			s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
-			if err != nil {
-				t.Fatal(err)
-			}
-			e.store = s
-			mods := []func(*inbox.Config){func(c *inbox.Config) { c.ClaimTimeout = 3 * time.Second }}
-			var dl *deadLetters
-			if counted {
-				dl = newDeadLetters(t)
-				mods = append(mods, withDeadLetters(dl, 2))
-			}
-			ib := e.inbox("billing", mods...)
-			var floodRuns atomic.Int64
-			started := make(chan struct{})
-			h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-				if msg.UUID == "m-flood" && floodRuns.Add(1) == 1 {
-					close(started)
-					time.Sleep(4 * time.Second)
-				}
-				return e.credit(msg)
-			})
-			msg := paymentMsg("m-flood", 1, 7)
-			first := make(chan error, 1)
-			go func() { first <- deliver(h, msg) }()
-			<-started
-			wait := flood(h, msg)
-			time.Sleep(100 * time.Millisecond) // let the copies take the pool
-			const others = 40
-			for i := range others {
-				m := paymentMsg("m-other-"+strconv.Itoa(i), 2, 1)
-				if err := deliver(h, m); err != nil {
-					t.Fatalf("unrelated message %d failed during the flood: %v", i+1, err)
-				}
-			}
-			if r := floodRuns.Load(); r != 1 {
-				t.Fatalf("the flood's message ran %d times before the first committed", r)
-			}
-			if err := <-first; err != nil {
-				t.Fatal(err)
-			}
-			wait()
-			if b1, b2 := e.balance(1), e.balance(2); b1 != 7 || b2 != others {
-				t.Fatalf("balances %d and %d; want 7 (the flood's message once) and %d", b1, b2, others)
-			}
-			if r, n := floodRuns.Load(), e.rows(""); r != 1 || n != others+1 {
-				t.Fatalf("flood handler runs %d, inbox rows %d; want 1 and %d", r, n, others+1)
-			}
-			if s := ib.Stats(); s.Processed != others+1 || s.DeadLettered != 0 {
-				t.Fatalf("stats %+v", s)
-			}
-			if counted {
-				if r := e.attemptRows(); r != 0 {
-					t.Fatalf("%d attempt rows left: a copy's wait was counted", r)
-				}
-				dl.wait(t, 0)
-			}
-		})
+	}
+}
+
+func testSameKeyFlood(t *testing.T, claimLockTimeout time.Duration, counted bool) {
+	e := newEnv(t, floodPool)
+	s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, ClaimLockTimeout: claimLockTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.store = s
+	mods := []func(*inbox.Config){func(c *inbox.Config) { c.ClaimTimeout = 3 * time.Second }}
+	var dl *deadLetters
+	if counted {
+		dl = newDeadLetters(t)
+		mods = append(mods, withDeadLetters(dl, 2))
+	}
+	ib := e.inbox("billing", mods...)
+	var floodRuns atomic.Int64
+	started := make(chan struct{})
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if msg.UUID == "m-flood" && floodRuns.Add(1) == 1 {
+			close(started)
+			time.Sleep(4 * time.Second)
+		}
+		return e.credit(msg)
+	})
+	msg := paymentMsg("m-flood", 1, 7)
+	first := make(chan error, 1)
+	go func() { first <- deliver(h, msg) }()
+	<-started
+	wait := flood(h, msg)
+	time.Sleep(100 * time.Millisecond) // let the copies take the pool
+	const others = 40
+	for i := range others {
+		m := paymentMsg("m-other-"+strconv.Itoa(i), 2, 1)
+		if err := deliver(h, m); err != nil {
+			t.Fatalf("unrelated message %d failed during the flood: %v", i+1, err)
+		}
+	}
+	if r := floodRuns.Load(); r != 1 {
+		t.Fatalf("the flood's message ran %d times before the first committed", r)
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	wait()
+	if b1, b2 := e.balance(1), e.balance(2); b1 != 7 || b2 != others {
+		t.Fatalf("balances %d and %d; want 7 (the flood's message once) and %d", b1, b2, others)
+	}
+	if r, n := floodRuns.Load(), e.rows(""); r != 1 || n != others+1 {
+		t.Fatalf("flood handler runs %d, inbox rows %d; want 1 and %d", r, n, others+1)
+	}
+	if s := ib.Stats(); s.Processed != others+1 || s.DeadLettered != 0 {
+		t.Fatalf("stats %+v", s)
+	}
+	if counted {
+		if r := e.attemptRows(); r != 0 {
+			t.Fatalf("%d attempt rows left: a copy's wait was counted", r)
+		}
+		dl.wait(t, 0)
 	}
 }
 
@@ -127,7 +135,7 @@ func BenchmarkUnrelatedKeyNoFlood(b *testing.B) { benchUnrelated(b, false) }
 func benchUnrelated(b *testing.B, withFlood bool) {
 	sch := testenv.NewSchema(b, floodPool)
 	sch.Store(b) // migrated
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name}) // the default: the key's lock tried
 	if err != nil {
 		b.Fatal(err)
 	}

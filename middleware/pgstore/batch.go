@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"time"
 
@@ -123,27 +122,16 @@ func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox
 	if s.claimLockTimeout() == 0 {
 		return s.claimBatchOnce(ctx, p)
 	}
-	start := time.Now()
-	pause := claimRetryFirstPause
-	var lockErr error // the last try's 55P03
-	for {
-		t, res, err := s.claimBatchOnce(ctx, p)
-		if err != nil && lockErr != nil && !isLockNotAvailable(err) && ctx.Err() != nil {
-			return nil, nil, claimInFlight(ctx, start, lockErr, err) // as in claim
-		}
-		if err == nil || !isLockNotAvailable(err) {
-			return t, res, err
-		}
-		lockErr = err
-		timer := time.NewTimer(pause/2 + rand.N(pause/2+1))
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return nil, nil, claimInFlight(ctx, start, lockErr, nil)
-		case <-timer.C:
-		}
-		pause = min(pause*2, claimRetryMaxPause)
+	var t inbox.BatchTx
+	var res []inbox.CountedClaimResult
+	err := s.whileHeld(ctx, func() (err error) {
+		t, res, err = s.claimBatchOnce(ctx, p)
+		return err
+	})
+	if err != nil {
+		return nil, nil, err
 	}
+	return t, res, nil
 }
 
 func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {

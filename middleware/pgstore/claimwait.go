@@ -14,9 +14,26 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// DefaultClaimLockTimeout is Config.ClaimLockTimeout's default: a claim that meets a lock of
-// its key for longer gives its connection back and waits in process.
+// DefaultClaimLockTimeout is the lock_timeout of the statements that still wait on a lock
+// under the default ClaimLockTimeout (zero): a batch claim, and a count-first delivery's
+// session lock on its key. A claim that meets a lock of its key for longer gives its
+// connection back and waits in process. It is also a sensible positive ClaimLockTimeout.
 const DefaultClaimLockTimeout = 2 * time.Millisecond
+
+// errKeyHeld is claimOnce's error when, with the tried lock (ClaimLockTimeout zero), the key's
+// advisory lock was held by a delivery in flight: the claim inserted nothing, waited for
+// nothing, rolled back and counted nothing. claim waits in process and tries again, as after
+// a lock wait past ClaimLockTimeout (55P03).
+var errKeyHeld = errors.New("pgstore: the key's lock is held by another delivery")
+
+// tryLock reports whether single claims try the key's advisory lock instead of waiting on a
+// lock under a short lock_timeout: ClaimLockTimeout zero, the default (buildClaims,
+// tryClaimSQL).
+func (s *Store) tryLock() bool { return s.cfg.ClaimLockTimeout == 0 }
+
+// keyBusy reports a claim error that means the key was held by a delivery in flight: the
+// tried lock was taken (errKeyHeld), or a lock wait passed the claim's lock_timeout (55P03).
+func keyBusy(err error) bool { return errors.Is(err, errKeyHeld) || isLockNotAvailable(err) }
 
 // savedLockTimeout is the custom setting that holds the claim transaction's own lock_timeout
 // while the claim runs under ClaimLockTimeout.
@@ -38,7 +55,8 @@ const (
 // the claim's context ended (the inbox's ClaimTimeout). The claim held no pool connection while it waited, and
 // counted nothing: the inbox nacks it without using up an attempt, and the redelivery is a
 // duplicate once the delivery in flight commits. The error also wraps the context's error and
-// the last lock wait's *pgconn.PgError (SQLSTATE 55P03).
+// the last try's error: with a positive ClaimLockTimeout, the lock wait's *pgconn.PgError
+// (SQLSTATE 55P03); with the default tried lock, an error saying the key's lock was held.
 var ErrClaimInFlight = errors.New("pgstore: the key is claimed by a delivery in flight")
 
 // ErrWaitingForConnection is wrapped by a claim's error when its context ended while it
@@ -108,34 +126,66 @@ func isLockNotAvailable(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == SQLStateLockNotAvailable
 }
 
-// claim runs claimOnce; when its key is held by a delivery in flight (a lock wait past the
-// claim's short lock_timeout, SQLSTATE 55P03), claimOnce has rolled back, taken back any
-// count and released its connection, and claim waits without a connection, then tries again:
-// until it claims or finds a duplicate, or ctx ends; then the error wraps ErrClaimInFlight.
-// With LockTimeout set, or a negative ClaimLockTimeout, the claim waits on the server once.
+// claim runs claimOnce; when its key is held by a delivery in flight (the key's lock tried and
+// taken, errKeyHeld; or a lock wait past a positive ClaimLockTimeout, SQLSTATE 55P03),
+// claimOnce has rolled back, taken back any count and released its connection, and claim
+// waits without a connection, then tries again: until it claims or finds a duplicate, or ctx
+// ends; then the error wraps ErrClaimInFlight. With a negative ClaimLockTimeout, or a
+// positive one and LockTimeout set, the claim waits on the server once.
 func (s *Store) claim(ctx context.Context, p inbox.CountedClaimParams, counted bool) (*claimTx, inbox.CountedClaimResult, error) {
-	if s.claimLockTimeout() == 0 {
+	if !s.tryLock() && s.claimLockTimeout() == 0 {
 		return s.claimOnce(ctx, p, counted)
 	}
+	var t *claimTx
+	var res inbox.CountedClaimResult
+	err := s.whileHeld(ctx, func() (err error) {
+		t, res, err = s.claimOnce(ctx, p, counted)
+		return err
+	})
+	if err != nil {
+		return nil, inbox.CountedClaimResult{}, err
+	}
+	return t, res, nil
+}
+
+// whileHeld runs try (one claim, single or batch) until it returns anything but a key held by
+// a delivery in flight (keyBusy), pausing in process between tries (claimRetryFirstPause,
+// doubled up to claimRetryMaxPause, with jitter), until ctx ends: then the error wraps
+// ErrClaimInFlight (claimInFlight). With the tried lock and LockTimeout set, the in-process
+// wait ends past LockTimeout too, as a wait on the server would (ErrClaimInFlight, saying so).
+func (s *Store) whileHeld(ctx context.Context, try func() error) error {
 	start := time.Now()
 	pause := claimRetryFirstPause
-	var lockErr error // the last try's 55P03
+	var bound time.Time
+	if s.tryLock() && s.cfg.LockTimeout > 0 {
+		bound = start.Add(s.cfg.LockTimeout)
+	}
+	var lockErr error // the last try's errKeyHeld or 55P03
 	for {
-		t, res, err := s.claimOnce(ctx, p, counted)
-		if err != nil && lockErr != nil && !isLockNotAvailable(err) && ctx.Err() != nil {
+		err := try()
+		if err != nil && lockErr != nil && !keyBusy(err) && ctx.Err() != nil {
 			// The context ended during a try after a lock wait (in acquire, or while the
 			// claim statement waited): still a key held by a delivery in flight.
-			return nil, inbox.CountedClaimResult{}, claimInFlight(ctx, start, lockErr, err)
+			return claimInFlight(ctx, start, lockErr, err)
 		}
-		if err == nil || !isLockNotAvailable(err) {
-			return t, res, err
+		if err == nil || !keyBusy(err) {
+			return err
 		}
 		lockErr = err
-		timer := time.NewTimer(pause/2 + rand.N(pause/2+1))
+		wait := pause/2 + rand.N(pause/2+1)
+		if !bound.IsZero() {
+			left := time.Until(bound)
+			if left <= 0 {
+				return fmt.Errorf("%w (waited %s, past LockTimeout %s): %w", ErrClaimInFlight,
+					time.Since(start).Round(time.Millisecond), s.cfg.LockTimeout, lockErr)
+			}
+			wait = min(wait, left)
+		}
+		timer := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			return nil, inbox.CountedClaimResult{}, claimInFlight(ctx, start, lockErr, nil)
+			return claimInFlight(ctx, start, lockErr, nil)
 		case <-timer.C:
 		}
 		pause = min(pause*2, claimRetryMaxPause)

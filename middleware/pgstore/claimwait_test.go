@@ -141,56 +141,74 @@ func (c claimPath) claim(ctx context.Context, s *pgstore.Store, p inbox.ClaimPar
 }
 
 // TestClaimLockTimeoutOnEveryLayoutAndPath: with the default configuration (ClaimLockTimeout
-// on), on every layout and every claim path, a claim of a key held by an uncommitted claim
-// (of the same path) fails its lock wait with SQLSTATE 55P03 inside the claim statement and
-// waits in process (ErrClaimInFlight once its context ends), counting nothing; once the first
+// zero: the key's lock tried) and with a positive ClaimLockTimeout, on every layout and every
+// claim path, a claim of a key held by an uncommitted claim (of the same path) gives up at
+// once (the tried lock) or fails its lock wait with SQLSTATE 55P03 inside the claim statement
+// (a positive timeout, and a count-first delivery's session lock in either mode), and waits
+// in process (ErrClaimInFlight once its context ends), counting nothing; once the first
 // commits, it finds the duplicate; and the handler of a claim that got its key runs under
 // the transaction's own lock_timeout, not the claim's.
 func TestClaimLockTimeoutOnEveryLayoutAndPath(t *testing.T) {
 	at := time.Now().UTC()
-	for _, l := range everyLayout {
-		for _, path := range claimPaths {
-			t.Run(l.name+"/"+path.name, func(t *testing.T) {
-				s, sch := layoutStore(t, 3, l.cfg)
-				ctx := context.Background()
-				p := inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(l.name+path.name, at), ConsumerName: "c"}, PayloadHash: make([]byte, 32), ProducerTime: at}
-				first, claimed, err := path.claim(ctx, s, p)
-				if err != nil || !claimed {
-					t.Fatalf("first claim: %v, claimed %v", err, claimed)
-				}
-				defer first.Rollback(ctx) // after the Commit below, a no-op
-				ptx, _ := pgstore.PgxTx(first)
-				var lt string
-				if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil || lt != "0" {
-					t.Fatalf("the handler's lock_timeout is %q (%v), want the server's 0", lt, err)
-				}
-				// Long enough for several tries on a busy machine.
-				cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-				start := time.Now()
-				_, _, err = path.claim(cctx, s, p)
-				cancel()
-				var pgErr *pgconn.PgError
-				if !errors.Is(err, pgstore.ErrClaimInFlight) || !errors.As(err, &pgErr) || pgErr.Code != pgstore.SQLStateLockNotAvailable {
-					t.Fatalf("claim behind a claim in flight: %v, want ErrClaimInFlight wrapping SQLSTATE 55P03", err)
-				}
-				if d := time.Since(start); d > 10*time.Second {
-					t.Fatalf("the claim in flight returned after %s", d)
-				}
-				if err := first.Commit(ctx); err != nil {
-					t.Fatal(err)
-				}
-				tx, claimed, err := path.claim(ctx, s, p)
-				if err != nil || claimed || tx != nil {
-					t.Fatalf("claim after the first committed: %v, claimed %v; want a duplicate", err, claimed)
-				}
-				var rows, records int
-				if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-					t.Fatal(err)
-				}
-				if rows != 1 || records != 0 {
-					t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0: waits are not attempts", rows, records)
-				}
-			})
+	for _, mode := range []struct {
+		name    string
+		timeout time.Duration
+	}{{"tried-lock", 0}, {"lock-timeout", pgstore.DefaultClaimLockTimeout}} {
+		for _, l := range everyLayout {
+			for _, path := range claimPaths {
+				t.Run(mode.name+"/"+l.name+"/"+path.name, func(t *testing.T) {
+					cfg := l.cfg
+					cfg.ClaimLockTimeout = mode.timeout
+					testClaimBehindAClaimInFlight(t, cfg, path, uuid7(mode.name+l.name+path.name, at), at, mode.timeout > 0 || path.countFst)
+				})
+			}
 		}
+	}
+}
+
+// testClaimBehindAClaimInFlight is one case of TestClaimLockTimeoutOnEveryLayoutAndPath:
+// lockWait says the second claim's try ends in a lock wait past lock_timeout (55P03).
+func testClaimBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, path claimPath, id string, at time.Time, lockWait bool) {
+	s, sch := layoutStore(t, 3, cfg)
+	ctx := context.Background()
+	p := inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "c"}, PayloadHash: make([]byte, 32), ProducerTime: at}
+	first, claimed, err := path.claim(ctx, s, p)
+	if err != nil || !claimed {
+		t.Fatalf("first claim: %v, claimed %v", err, claimed)
+	}
+	defer first.Rollback(ctx) // after the Commit below, a no-op
+	ptx, _ := pgstore.PgxTx(first)
+	var lt string
+	if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil || lt != "0" {
+		t.Fatalf("the handler's lock_timeout is %q (%v), want the server's 0", lt, err)
+	}
+	// Long enough for several tries on a busy machine.
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	start := time.Now()
+	_, _, err = path.claim(cctx, s, p)
+	cancel()
+	var pgErr *pgconn.PgError
+	switch {
+	case lockWait && (!errors.Is(err, pgstore.ErrClaimInFlight) || !errors.As(err, &pgErr) || pgErr.Code != pgstore.SQLStateLockNotAvailable):
+		t.Fatalf("claim behind a claim in flight: %v, want ErrClaimInFlight wrapping SQLSTATE 55P03", err)
+	case !lockWait && (!errors.Is(err, pgstore.ErrClaimInFlight) || errors.As(err, &pgErr)):
+		t.Fatalf("claim behind a claim in flight: %v, want ErrClaimInFlight and no lock wait (no SQLSTATE)", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("the claim in flight returned after %s", d)
+	}
+	if err := first.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tx, claimed, err := path.claim(ctx, s, p)
+	if err != nil || claimed || tx != nil {
+		t.Fatalf("claim after the first committed: %v, claimed %v; want a duplicate", err, claimed)
+	}
+	var rows, records int
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 1 || records != 0 {
+		t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0: waits are not attempts", rows, records)
 	}
 }

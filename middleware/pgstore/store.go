@@ -103,15 +103,21 @@ type Config struct {
 	Retention inbox.Retention
 	// ClaimLockTimeout bounds how long a claim holds its pool connection while it waits on a
 	// lock of its key (the uncommitted claim of a delivery in flight, the key's attempt
-	// lock): past it (SQLSTATE 55P03) the claim rolls back, releases the connection and
-	// waits in process, without one, then tries again (see claimwait.go), until the key is
-	// free or the claim's context ends (the inbox's ClaimTimeout; ErrClaimInFlight). So a
-	// flood of copies of one message cannot hold every pool connection and starve other
-	// keys. Zero means DefaultClaimLockTimeout (2 ms); negative turns it off: the claim waits
-	// on the server, holding its connection. The timeout is set inside the claim's own
-	// statement and the transaction's lock_timeout restored by the same statement, so it
-	// costs no statement (docs/benchmarks.md). With LockTimeout set, the claim waits on the
-	// server up to LockTimeout instead (55P03 past it).
+	// lock). A claim whose key is held rolls back, releases the connection and waits in
+	// process, without one, then tries again (see claimwait.go), until the key is free or the
+	// claim's context ends (the inbox's ClaimTimeout; ErrClaimInFlight). So a flood of copies
+	// of one message cannot hold every pool connection and starve other keys.
+	//
+	// Zero, the default: a single claim never waits on the server for its key. Every claim
+	// holds its key's transaction-level advisory lock until it commits or rolls back, and a
+	// claim only tries that lock (pg_try_advisory_xact_lock, in the claim statement itself):
+	// held means in flight. Batch claims, and a count-first delivery's lock on its key, wait
+	// up to DefaultClaimLockTimeout (lock_timeout, 55P03 past it). Positive: every claim
+	// waits on a lock of its key up to this long, set as lock_timeout inside the claim
+	// statement and restored by the same statement (no extra statement, but about 0.07 of
+	// the bare rate at 8 deliveries, docs/benchmarks.md; it also bounds waits on other locks,
+	// a partition's DDL for one). With LockTimeout also set, LockTimeout bounds the wait
+	// instead. Negative: the claim waits on the server, holding its connection.
 	ClaimLockTimeout time.Duration
 }
 
@@ -133,7 +139,7 @@ type Store struct {
 	consumers     string
 	registered    sync.Map
 	// The claim statement's forms (buildClaims).
-	claimSQL, lockedClaimSQL, claimLTSQL, lockedClaimLTSQL string
+	claimSQL, lockedClaimSQL, claimLTSQL, lockedClaimLTSQL, tryClaimSQL string
 }
 
 var (
@@ -221,10 +227,12 @@ func newNames(cfg Config) (*Store, error) {
 // its type spelled out, for a sub-select):
 //
 //   - claimSQL: INSERT ... VALUES (...) ON CONFLICT (...) DO NOTHING;
+//
 //   - lockedClaimSQL: the key's transaction-level advisory lock ($n+1: lockKey) is taken by a
 //     sub-select in the first value, so the claim meets the key's lock exactly as a lock
 //     statement sent before it would, one statement fewer (pg_advisory_xact_lock is
 //     volatile: never folded away);
+//
 //   - claimLTSQL and lockedClaimLTSQL: the same with the claim's lock_timeout ($n+1, or $n+2
 //     after the lock key) set inside the statement before it can wait (the transaction's own
 //     value saved in watermill_inbox.lock_timeout first), and put back by RETURNING once the
@@ -233,9 +241,20 @@ func newNames(cfg Config) (*Store, error) {
 //     SQLSTATE 55P03) is rolled back, so nothing needs restoring. No statement is added to the
 //     claim's round trip.
 //
+//   - tryClaimSQL: INSERT ... SELECT <the same values> WHERE pg_try_advisory_xact_lock(...)
+//     ON CONFLICT (...) DO NOTHING, the default (ClaimLockTimeout zero): the key's
+//     transaction-level advisory lock ($n+1: lockKey) is tried, never waited for; when a
+//     delivery in flight holds it the statement inserts nothing and waits for nothing, and the
+//     stored-hash read that follows finds no row (claimOnce: errKeyHeld). Every claim of a
+//     key holds that lock until its claim commits or rolls back (this statement, the locked
+//     forms, the count-first session lock, a counted batch's locks), so a claim that got the
+//     lock does not wait on the unique index either: only an uncounted batch's claim, which
+//     takes no advisory lock, can still make it wait.
+//
 // VALUES expressions are computed before the row is inserted, so the sub-select runs before
 // the insert can wait on a concurrent claim of the key (the unique index's speculative
-// insertion).
+// insertion). PostgreSQL types the parameters of INSERT ... SELECT from the target columns,
+// as it does those of VALUES.
 func (s *Store) buildClaims(cols string, vals []string, conflict, first string) {
 	n := len(vals)
 	stmt := func(firstVal, returning string) string {
@@ -251,6 +270,9 @@ func (s *Store) buildClaims(cols string, vals []string, conflict, first string) 
 	s.lockedClaimSQL = stmt("(SELECT "+first+" FROM (SELECT "+lock(n+1)+") AS key_lock)", "")
 	s.claimLTSQL = stmt("(SELECT "+first+" FROM "+lt(n+1)+")", restore)
 	s.lockedClaimLTSQL = stmt("(SELECT "+first+" FROM (SELECT "+lock(n+1)+" FROM "+lt(n+2)+") AS key_lock)", restore)
+	s.tryClaimSQL = "INSERT INTO " + s.table + " (" + cols + ") SELECT " + strings.Join(vals, ", ") +
+		fmt.Sprintf(" WHERE pg_try_advisory_xact_lock(hashtextextended($%d, 0))", n+1) +
+		" ON CONFLICT (" + conflict + ") DO NOTHING"
 }
 
 // Table returns the quoted, schema-qualified inbox table name, e.g. "public"."inbox_processed_messages".
@@ -397,6 +419,10 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 	// claim lock timeout, the statement sets it before it can wait and restores the
 	// transaction's own once the row is in (buildClaims).
 	switch locked := counted && !p.CountFirst; {
+	case s.tryLock():
+		// The key's lock, tried: it is the locked form's lock too, and a count-first
+		// delivery already holds it (session level), so its try succeeds.
+		claimSQL, args = s.tryClaimSQL, append(args, s.lockKey(k))
 	case locked && lt > 0:
 		claimSQL, args = s.lockedClaimLTSQL, append(args, s.lockKey(k), millis(lt))
 	case locked:
@@ -461,15 +487,27 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 	}
 	// A duplicate: read the stored hash and end the transaction in one round trip; with
 	// attempts, also delete the key's attempt record: the key is processed, so a live
-	// record (this delivery's count, or one left by an earlier try) is stale.
+	// record (this delivery's count, or one left by an earlier try) is stale. With the
+	// tried lock (tryClaimSQL), no stored row means the key's lock was held by a delivery in
+	// flight, not a duplicate: the record is then left alone (the delete checks the row is
+	// there) and the claim reports errKeyHeld.
 	res.Record = inbox.AttemptRecord{}
+	held := false
 	err = t.end(ctx, func(ctx context.Context) error {
 		b := &pgx.Batch{}
 		b.Queue(s.hashSQL, s.keyArgs(k, period)...).QueryRow(func(row pgx.Row) error {
-			return s.scanHash(row, &res.StoredPayloadHash)
+			err := s.scanHash(row, &res.StoredPayloadHash)
+			if errors.Is(err, pgx.ErrNoRows) && s.tryLock() {
+				held = true
+				return nil
+			}
+			return err
 		})
 		b.Queue("rollback")
-		if counted {
+		switch {
+		case counted && s.tryLock():
+			b.Queue(s.clearProcessedSQL, s.keyArgs(k, period)...)
+		case counted:
 			b.Queue(s.clearSQL, k.MessageID, k.ConsumerName)
 		}
 		if err := conn.Conn().SendBatch(ctx, b).Close(); err != nil {
@@ -480,6 +518,14 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 	})
 	if err != nil {
 		return nil, inbox.CountedClaimResult{}, err
+	}
+	if held {
+		if res.Counted {
+			// Not expected (a count-first delivery holds the key's lock, so its try
+			// succeeds), but a count must never outlive a claim that did not happen.
+			_, _ = s.adjust(ctx, s.pool, inbox.AttemptParams{Key: k, AttemptsDelta: -1})
+		}
+		return nil, inbox.CountedClaimResult{}, fmt.Errorf("claim: %w", errKeyHeld)
 	}
 	return nil, res, nil
 }

@@ -203,43 +203,59 @@ func TestTxFromContextIsTheClaimTransaction(t *testing.T) {
 	}
 }
 
-// TestLockTimeoutEndsTheWait: Config.LockTimeout bounds a concurrent duplicate's wait behind
-// an uncommitted claim (SQLSTATE 55P03), for plain and counted claims alike, and the expired
-// wait is not Retryable (an in-process retry would hold the connection again).
+// TestLockTimeoutEndsTheWait: with the claim waiting on the server (ClaimLockTimeout
+// negative), Config.LockTimeout bounds a concurrent duplicate's wait behind an uncommitted
+// claim (SQLSTATE 55P03), for plain and counted claims alike, and the expired wait is not
+// Retryable (an in-process retry would hold the connection again). With the default tried
+// lock and LockTimeout set, the claim does not wait on the server: it waits in process, and
+// LockTimeout ends that wait too (ErrClaimInFlight). Either way nothing is counted.
 func TestLockTimeoutEndsTheWait(t *testing.T) {
-	sch := testenv.NewSchema(t, 4)
-	sch.Store(t) // migrated
-	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, LockTimeout: 150 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := inbox.ClaimParams{Key: inbox.Key{MessageID: "m-slow", ConsumerName: "c"}}
-	first, res, err := s.Claim(context.Background(), p)
-	if err != nil || !res.Claimed {
-		t.Fatalf("first claim: %v %+v", err, res)
-	}
-	defer first.Rollback(context.Background())
-	for _, countFirst := range []bool{false, true} {
-		start := time.Now()
-		tx, _, err := s.ClaimCounted(context.Background(), inbox.CountedClaimParams{ClaimParams: p, CountFirst: countFirst})
-		if err == nil {
-			_ = tx.Rollback(context.Background())
-			t.Fatal("a claim behind an uncommitted claim did not time out")
-		}
-		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
-			t.Fatalf("error = %v, want SQLSTATE 55P03", err)
-		}
-		if waited := time.Since(start); waited > 5*time.Second {
-			t.Fatalf("the lock wait took %v with a 150ms lock timeout", waited)
-		}
-		if s.Retryable(err) {
-			t.Fatalf("lock timeout reported as Retryable: %v", err)
-		}
-	}
-	var rows int
-	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&rows); err != nil || rows != 0 {
-		t.Fatalf("attempt rows after timed-out counted claims = %d (%v), want 0: a claim that never happened takes its count back", rows, err)
+	for _, mode := range []struct {
+		name  string
+		claim time.Duration
+	}{{"server-wait", -1}, {"tried-lock", 0}} {
+		t.Run(mode.name, func(t *testing.T) {
+			sch := testenv.NewSchema(t, 4)
+			sch.Store(t) // migrated
+			s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, LockTimeout: 150 * time.Millisecond, ClaimLockTimeout: mode.claim})
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := inbox.ClaimParams{Key: inbox.Key{MessageID: "m-slow", ConsumerName: "c"}}
+			first, res, err := s.Claim(context.Background(), p)
+			if err != nil || !res.Claimed {
+				t.Fatalf("first claim: %v %+v", err, res)
+			}
+			defer first.Rollback(context.Background())
+			for _, countFirst := range []bool{false, true} {
+				start := time.Now()
+				ctx, cancel := context.WithTimeout(context.Background(), 400*time.Millisecond)
+				tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: countFirst})
+				cancel()
+				if err == nil {
+					_ = tx.Rollback(context.Background())
+					t.Fatal("a claim behind an uncommitted claim did not time out")
+				}
+				var pgErr *pgconn.PgError
+				if mode.claim < 0 {
+					if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+						t.Fatalf("error = %v, want SQLSTATE 55P03", err)
+					}
+				} else if !errors.Is(err, pgstore.ErrClaimInFlight) || errors.Is(err, context.DeadlineExceeded) {
+					t.Fatalf("error = %v, want ErrClaimInFlight past LockTimeout, before the context's deadline", err)
+				}
+				if waited := time.Since(start); waited > 5*time.Second {
+					t.Fatalf("the lock wait took %v with a 150ms lock timeout", waited)
+				}
+				if s.Retryable(err) {
+					t.Fatalf("lock timeout reported as Retryable: %v", err)
+				}
+			}
+			var rows int
+			if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&rows); err != nil || rows != 0 {
+				t.Fatalf("attempt rows after timed-out counted claims = %d (%v), want 0: a claim that never happened takes its count back", rows, err)
+			}
+		})
 	}
 }
 
