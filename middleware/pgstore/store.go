@@ -864,6 +864,11 @@ func (t *claimTx) finishPipeline(ctx context.Context, sqls ...string) ([]*pgconn
 			unlockAt = len(sqls) - 1
 		}
 	}
+	if len(sqls) == 1 && !strings.Contains(sqls[0], "$1") {
+		// COMMIT or ROLLBACK alone: the simple protocol's one message, as pgx's own Tx sends
+		// it (the extended protocol would parse, bind and describe it as an unnamed statement).
+		return t.conn.Conn().PgConn().Exec(ctx, sqls[0]).ReadAll()
+	}
 	b := &pgconn.Batch{}
 	key := [][]byte{[]byte(t.key.MessageID), []byte(t.key.ConsumerName)}
 	if t.s.cfg.Partitioning != nil {
