@@ -23,6 +23,12 @@ const savepointName = "inbox_member"
 // in partitioned mode the periods, in the same order, as the last parameter).
 type batchSQL struct {
 	lock, count, claim, claimCounted, records, hashes, clear, drop string
+	// tryClaim is claim with each key's transaction-level advisory lock tried first
+	// (pg_try_advisory_xact_lock on the lock key: the parameter after the claim's, the prefix
+	// table, unit separator, consumer name, unit separator; then the message ID): a key held
+	// by a delivery in flight is not inserted, and waits for nothing. The uncounted batch's
+	// claim under the default ClaimLockTimeout.
+	tryClaim string
 }
 
 // batchKeyOn is the predicate that a row t of the inbox table holds the key of message ID id
@@ -48,23 +54,28 @@ func (s *Store) batchSQL() batchSQL {
 		return "unnest($1::text[]) AS u(k)"
 	}
 	var claim, conflict string
+	var claimParams int // the claim's parameter count plus one: the tried lock's key prefix
 	switch {
 	case s.cfg.Layout == LayoutCompact && part:
 		claim = "INSERT INTO " + s.table + " (message_id, consumer_id, payload_hash, period)" +
 			" SELECT u.m::uuid, " + s.consumerIDSQL("$2::text") + ", u.h, u.p FROM unnest($1::text[], $3::smallint[], $4::timestamptz[]) AS u(m, h, p)"
 		conflict = "message_id, consumer_id, period"
+		claimParams = 5
 	case s.cfg.Layout == LayoutCompact:
 		claim = "INSERT INTO " + s.table + " (message_id, consumer_id, payload_hash)" +
 			" SELECT u.m::uuid, " + s.consumerIDSQL("$2::text") + ", u.h FROM unnest($1::text[], $3::smallint[]) AS u(m, h)"
 		conflict = "message_id, consumer_id"
+		claimParams = 4
 	case part:
 		claim = "INSERT INTO " + s.table + " (message_id, consumer_name, message_type, correlation_id, payload_hash, period)" +
 			" SELECT u.m, $2::text, u.ty, u.c, u.h, u.p FROM unnest($1::text[], $3::text[], $4::text[], $5::bytea[], $6::timestamptz[]) AS u(m, ty, c, h, p)"
 		conflict = "message_id, consumer_name, period"
+		claimParams = 7
 	default:
 		claim = "INSERT INTO " + s.table + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
 			" SELECT u.m, $2::text, u.ty, u.c, u.h FROM unnest($1::text[], $3::text[], $4::text[], $5::bytea[]) AS u(m, ty, c, h)"
 		conflict = "message_id, consumer_name"
+		claimParams = 6
 	}
 	// The count statement's limit (countLimit), after the keys' parameters.
 	limit := "$3"
@@ -83,7 +94,8 @@ func (s *Store) batchSQL() batchSQL {
 			" WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " t WHERE " + s.batchKeyOn("u.k", "u.p") + ")" +
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
 			" WHERE a.dead_lettered_at IS NULL AND a.attempts < " + limit + "::int RETURNING message_id",
-		claim: claim + " ON CONFLICT (" + conflict + ") DO NOTHING RETURNING message_id::text",
+		claim:    claim + " ON CONFLICT (" + conflict + ") DO NOTHING RETURNING message_id::text",
+		tryClaim: claim + fmt.Sprintf(" WHERE pg_try_advisory_xact_lock(hashtextextended($%d::text || u.m, 0))", claimParams) + " ON CONFLICT (" + conflict + ") DO NOTHING RETURNING message_id::text",
 		claimCounted: claim + " WHERE NOT EXISTS (SELECT 1 FROM " + s.attempts +
 			" WHERE message_id = u.m AND consumer_name = $2::text AND dead_lettered_at IS NOT NULL)" +
 			" ON CONFLICT (" + conflict + ") DO NOTHING RETURNING message_id::text",
@@ -119,7 +131,7 @@ func (s *Store) BatchSupported() error { return nil }
 // (Config.ClaimLockTimeout): past it the batch claim rolls back, takes its counts back,
 // releases its connection, and tries again in process, until ctx ends (ErrClaimInFlight).
 func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
-	if s.claimLockTimeout() == 0 {
+	if !s.tryLock() && s.claimLockTimeout() == 0 {
 		return s.claimBatchOnce(ctx, p)
 	}
 	var t inbox.BatchTx
@@ -201,7 +213,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	}
 	t := &batchTx{
 		claimTx: claimTx{s: s, conn: conn, finish: p.FinishTimeout, counted: p.Counted, iso: lvl},
-		ids:     ids, periods: periods, consumer: consumer, sql: s.batchSQL(),
+		ids:     ids, periods: periods, consumer: consumer, sql: s.batch,
 		claimed: make([]bool, n), countedFirst: make([]bool, n), dropped: make([]bool, n),
 		recs: make([]inbox.AttemptRecord, n),
 	}
@@ -234,14 +246,20 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 	} else {
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 		s.queueTimeouts(b)
-		s.queueClaimLockTimeout(b, true)
+		if p.Counted || !s.tryLock() {
+			s.queueClaimLockTimeout(b, true)
+		}
 		if p.Counted {
 			b.Queue(t.sql.lock, lockKeys).Exec(locked)
 		}
 	}
 	claimSQL := t.sql.claim
-	if p.Counted {
+	tried := !p.Counted && s.tryLock()
+	switch {
+	case p.Counted:
 		claimSQL = t.sql.claimCounted
+	case tried:
+		claimSQL, claimArgs = t.sql.tryClaim, append(claimArgs, s.table+"\x1f"+consumer+"\x1f")
 	}
 	b.Queue(claimSQL, claimArgs...).Query(func(rows pgx.Rows) error {
 		return scanIDs(rows, func(id string) { t.claimed[index[id]] = true })
@@ -261,7 +279,9 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 			return rows.Err()
 		})
 	}
-	s.queueRestoreLockTimeout(b)
+	if !tried {
+		s.queueRestoreLockTimeout(b)
+	}
 	if err := s.sendClaim(ctx, conn, b, &t.claimTx); err != nil {
 		if p.Counted {
 			// The lock statement takes the keys one by one: when it fails part-way (55P03,
@@ -299,6 +319,7 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 		}
 	}
 	if len(dups) > 0 {
+		stored := make(map[string]bool, len(dups))
 		rows, err := t.tx.Query(ctx, t.sql.hashes, keyArgs(dups, dupPeriods)...)
 		if err == nil {
 			err = scanRows(rows, func(rows pgx.Rows) error {
@@ -308,12 +329,21 @@ func (s *Store) claimBatchOnce(ctx context.Context, p inbox.BatchClaimParams) (i
 					return err
 				}
 				res[index[id]].StoredPayloadHash = h
+				stored[id] = true
 				return nil
 			})
 		}
 		if err != nil {
 			_ = t.Rollback(ctx)
 			return nil, nil, fmt.Errorf("batch claim: read stored payload hashes: %w", err)
+		}
+		if tried && len(stored) < len(dups) {
+			// A key not inserted and not stored: its tried lock was held by a delivery in
+			// flight. The whole batch waits and tries again, as after a lock wait (55P03).
+			if err := t.Rollback(ctx); err != nil {
+				return nil, nil, fmt.Errorf("batch claim: roll back behind a key in flight: %w", err)
+			}
+			return nil, nil, fmt.Errorf("batch claim: %w", errKeyHeld)
 		}
 	}
 	return t, res, nil

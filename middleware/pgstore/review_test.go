@@ -1,6 +1,7 @@
 package pgstore_test
 
 import (
+	"fmt"
 	"context"
 	"errors"
 	"testing"
@@ -148,68 +149,85 @@ func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
 }
 
 // TestBatchClaimBehindAClaimInFlightHoldsNoConnection: a batch claim one of whose keys is
-// claimed by an uncommitted transaction gives its connection back while it waits
-// (ClaimLockTimeout, as a single claim does), then, once the first commits, claims the other
-// key and finds the duplicate; in every layout.
+// claimed by an uncommitted transaction gives its connection back while it waits (the
+// default's tried key locks, or a positive ClaimLockTimeout, as a single claim does), then,
+// once the first commits, claims the other key and finds the duplicate; counted and
+// uncounted, in every layout.
 func TestBatchClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
-	for _, l := range everyLayout {
-		t.Run(l.name, func(t *testing.T) {
-			s, sch := layoutStoreWith(t, 2, l.cfg, func(c *pgstore.Config) { c.ClaimLockTimeout = pgstore.DefaultClaimLockTimeout })
-			k := newLayoutKeys(l.cfg)
-			ctx := context.Background()
-			first, res, err := s.Claim(ctx, k.claim("m-b").ClaimParams)
-			if err != nil || !res.Claimed {
-				t.Fatalf("first claim: %v %+v", err, res)
+	for _, mode := range []struct {
+		name    string
+		timeout time.Duration
+	}{{"tried-lock", 0}, {"lock-timeout", pgstore.DefaultClaimLockTimeout}} {
+		for _, counted := range []bool{true, false} {
+			for _, l := range everyLayout {
+				t.Run(fmt.Sprintf("%s/counted=%v/%s", mode.name, counted, l.name), func(t *testing.T) {
+					testBatchBehindAClaimInFlight(t, l.cfg, mode.timeout, counted)
+				})
 			}
-			type result struct {
-				res []inbox.CountedClaimResult
-				err error
-			}
-			done := make(chan result, 1)
-			go func() {
-				claims := []inbox.CountedClaimParams{k.claim("m-a"), k.claim("m-b")}
-				cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-				defer cancel()
-				tx, r, err := s.ClaimBatch(cctx, inbox.BatchClaimParams{Claims: claims, Counted: true})
-				if err == nil {
-					err = tx.Commit(ctx)
-				}
-				done <- result{r, err}
-			}()
-			free := 0
-			for range 20 {
-				actx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-				c, err := sch.Pool.Acquire(actx)
-				cancel()
-				if err == nil {
-					free++
-					c.Release()
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-			if err := first.Commit(ctx); err != nil {
-				t.Fatal(err)
-			}
-			var r result
-			select {
-			case r = <-done:
-			case <-time.After(25 * time.Second):
-				t.Fatal("the batch claim did not return after the first committed")
-			}
-			if free < 10 {
-				t.Fatalf("the waiting batch claim held its connection: the pool's second connection was free %d times of 20", free)
-			}
-			if r.err != nil || len(r.res) != 2 || !r.res[0].Claimed || r.res[1].Claimed {
-				t.Fatalf("batch claim after the first committed: %v %+v, want m-a claimed and m-b a duplicate", r.err, r.res)
-			}
-			var rows, records int
-			if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-				t.Fatal(err)
-			}
-			if rows != 2 || records != 0 {
-				t.Fatalf("%d processed rows, %d attempt records; want 2, 0 (a wait is not an attempt)", rows, records)
-			}
-		})
+		}
+	}
+}
+
+func testBatchBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, claimLockTimeout time.Duration, counted bool) {
+	s, sch := layoutStoreWith(t, 2, cfg, func(c *pgstore.Config) { c.ClaimLockTimeout = claimLockTimeout })
+	k := newLayoutKeys(cfg)
+	ctx := context.Background()
+	first, res, err := s.Claim(ctx, k.claim("m-b").ClaimParams)
+	if err != nil || !res.Claimed {
+		t.Fatalf("first claim: %v %+v", err, res)
+	}
+	type result struct {
+		res []inbox.CountedClaimResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		claims := []inbox.CountedClaimParams{k.claim("m-a"), k.claim("m-b")}
+		cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		tx, r, err := s.ClaimBatch(cctx, inbox.BatchClaimParams{Claims: claims, Counted: counted})
+		if err == nil {
+			err = tx.Commit(ctx)
+		}
+		done <- result{r, err}
+	}()
+	free := 0
+	for range 20 {
+		actx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		c, err := sch.Pool.Acquire(actx)
+		cancel()
+		if err == nil {
+			free++
+			c.Release()
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	select {
+	case r := <-done:
+		t.Fatalf("the batch claim returned while a key was in flight: %v %+v; want it to wait", r.err, r.res)
+	default:
+	}
+	if err := first.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(25 * time.Second):
+		t.Fatal("the batch claim did not return after the first committed")
+	}
+	if free < 10 {
+		t.Fatalf("the waiting batch claim held its connection: the pool's second connection was free %d times of 20", free)
+	}
+	if r.err != nil || len(r.res) != 2 || !r.res[0].Claimed || r.res[1].Claimed {
+		t.Fatalf("batch claim after the first committed: %v %+v, want m-a claimed and m-b a duplicate", r.err, r.res)
+	}
+	var rows, records int
+	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 2 || records != 0 {
+		t.Fatalf("%d processed rows, %d attempt records; want 2, 0 (a wait is not an attempt)", rows, records)
 	}
 }
 

@@ -140,6 +140,8 @@ type Store struct {
 	registered    sync.Map
 	// The claim statement's forms (buildClaims).
 	claimSQL, lockedClaimSQL, claimLTSQL, lockedClaimLTSQL, tryClaimSQL string
+	// The batch claim's statements (batchSQL), built once.
+	batch batchSQL
 }
 
 var (
@@ -219,6 +221,7 @@ func newNames(cfg Config) (*Store, error) {
 	}
 	s.buildClaims("message_id, consumer_name, message_type, correlation_id, payload_hash", []string{"$1", "$2", "$3", "$4", "$5"}, "message_id, consumer_name", "$1::text")
 	s.applyLayout()
+	s.batch = s.batchSQL()
 	return s, nil
 }
 
