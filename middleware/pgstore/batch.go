@@ -128,7 +128,10 @@ func (s *Store) BatchSupported() error { return nil }
 // and the connection released.
 //
 // A key held by a delivery in flight is waited for as a single claim waits
-// (Config.ClaimLockTimeout): past it the batch claim rolls back, takes its counts back,
+// (Config.ClaimLockTimeout): uncounted, under the default, each member's key lock is tried in
+// the claim statement (batchSQL.tryClaim), and a key neither inserted nor stored was held;
+// counted, or with a positive ClaimLockTimeout, the locks and the claim wait up to the short
+// lock_timeout (55P03). Either way the batch claim rolls back, takes its counts back,
 // releases its connection, and tries again in process, until ctx ends (ErrClaimInFlight).
 func (s *Store) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
 	if !s.tryLock() && s.claimLockTimeout() == 0 {

@@ -15,8 +15,8 @@ import (
 )
 
 // DefaultClaimLockTimeout is the lock_timeout of the statements that still wait on a lock
-// under the default ClaimLockTimeout (zero): a batch claim, and a count-first delivery's
-// session lock on its key. A claim that meets a lock of its key for longer gives its
+// under the default ClaimLockTimeout (zero): a counted batch's session locks on its keys, and
+// a count-first delivery's session lock on its key. A claim that meets a lock of its key for longer gives its
 // connection back and waits in process. It is also a sensible positive ClaimLockTimeout.
 const DefaultClaimLockTimeout = 2 * time.Millisecond
 

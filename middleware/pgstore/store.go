@@ -111,8 +111,9 @@ type Config struct {
 	// Zero, the default: a single claim never waits on the server for its key. Every claim
 	// holds its key's transaction-level advisory lock until it commits or rolls back, and a
 	// claim only tries that lock (pg_try_advisory_xact_lock, in the claim statement itself):
-	// held means in flight. Batch claims, and a count-first delivery's lock on its key, wait
-	// up to DefaultClaimLockTimeout (lock_timeout, 55P03 past it). Positive: every claim
+	// held means in flight. An uncounted batch claim tries its members' key locks the same
+	// way; a counted batch's locks on its keys, and a count-first delivery's lock on its key,
+	// wait up to DefaultClaimLockTimeout (lock_timeout, 55P03 past it). Positive: every claim
 	// waits on a lock of its key up to this long, set as lock_timeout inside the claim
 	// statement and restored by the same statement (no extra statement, but about 0.07 of
 	// the bare rate at 8 deliveries, docs/benchmarks.md; it also bounds waits on other locks,
@@ -250,9 +251,9 @@ func newNames(cfg Config) (*Store, error) {
 //     delivery in flight holds it the statement inserts nothing and waits for nothing, and the
 //     stored-hash read that follows finds no row (claimOnce: errKeyHeld). Every claim of a
 //     key holds that lock until its claim commits or rolls back (this statement, the locked
-//     forms, the count-first session lock, a counted batch's locks), so a claim that got the
-//     lock does not wait on the unique index either: only an uncounted batch's claim, which
-//     takes no advisory lock, can still make it wait.
+//     forms, the count-first session lock, a counted batch's locks, an uncounted batch's
+//     tried locks; with a positive ClaimLockTimeout the plain forms take none), so a claim
+//     that got the lock does not wait on the unique index either.
 //
 // VALUES expressions are computed before the row is inserted, so the sub-select runs before
 // the insert can wait on a concurrent claim of the key (the unique index's speculative
