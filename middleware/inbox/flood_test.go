@@ -134,7 +134,7 @@ func BenchmarkUnrelatedKeyNoFlood(b *testing.B) { benchUnrelated(b, false) }
 
 func benchUnrelated(b *testing.B, withFlood bool) {
 	sch := testenv.NewSchema(b, floodPool)
-	sch.Store(b) // migrated
+	sch.Store(b)                                                          // migrated
 	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name}) // the default: the key's lock tried
 	if err != nil {
 		b.Fatal(err)

@@ -1,9 +1,9 @@
 package pgstore_test
 
 import (
-	"fmt"
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
