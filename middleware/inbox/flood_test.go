@@ -134,8 +134,9 @@ func BenchmarkUnrelatedKeyNoFlood(b *testing.B) { benchUnrelated(b, false) }
 
 func benchUnrelated(b *testing.B, withFlood bool) {
 	sch := testenv.NewSchema(b, floodPool)
-	sch.Store(b)                                                          // migrated
-	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name}) // the default: the key's lock tried
+	sch.Store(b) // migrated
+	// The default configuration: a claim tries its key's lock.
+	store, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name})
 	if err != nil {
 		b.Fatal(err)
 	}
