@@ -137,6 +137,16 @@ func (c *Child) WaitLine(t testing.TB, prefix string, timeout time.Duration) str
 	}
 }
 
+// Exited reports, without waiting, whether the child has exited, and cmd.Wait's error if so.
+func (c *Child) Exited() (bool, error) {
+	select {
+	case <-c.done:
+		return true, c.err
+	default:
+		return false, nil
+	}
+}
+
 // WaitExit waits for the child to exit and returns cmd.Wait's error; it fails t after timeout.
 func (c *Child) WaitExit(t testing.TB, timeout time.Duration) error {
 	t.Helper()

@@ -15,10 +15,12 @@ import (
 
 // TestRedeliverySignalPerBroker reads Broker.Redelivery on a first delivery and on the
 // redelivery after a Nack, on the real brokers. Where a broker has no trustworthy signal the
-// adapter must say RedeliveryUnknown both times (docs/adapters.md): postgres and redis
-// re-send a nacked message in process or expose no count; kafka's first delivery of a record
-// appended after its consumer was assigned the partition is FirstDelivery, the in-process
-// re-send after a nack RedeliveryUnknown; goaws always reports an
+// adapter must say RedeliveryUnknown both times (docs/adapters.md): postgres re-sends a
+// nacked message in process and exposes no count; kafka's first delivery of a record
+// appended after its consumer was assigned the partition is FirstDelivery, redis's read with
+// XREADGROUP too, and the in-process re-send after a nack of either is RedeliveryUnknown (a
+// redis entry taken over with XCLAIM is Redelivered: TestPoisonCrashLoop in adapters/redis,
+// TestClaimHookMarksOnlyXClaim); goaws always reports an
 // ApproximateReceiveCount of 1 on a standard queue, which the sqs adapter reads as unknown
 // (SQS's Redelivered case is covered by TestSQSRedeliveryFromReceiveCount, not on goaws).
 func TestRedeliverySignalPerBroker(t *testing.T) {
@@ -28,7 +30,7 @@ func TestRedeliverySignalPerBroker(t *testing.T) {
 		"kafka":    {inbox.FirstDelivery, inbox.RedeliveryUnknown},
 		"sqs":      {inbox.RedeliveryUnknown, inbox.RedeliveryUnknown},
 		"nats":     {inbox.FirstDelivery, inbox.Redelivered},
-		"redis":    {inbox.RedeliveryUnknown, inbox.RedeliveryUnknown},
+		"redis":    {inbox.FirstDelivery, inbox.RedeliveryUnknown},
 	}
 	for _, cfg := range brokerConfigs(t) {
 		t.Run(cfg.Broker, func(t *testing.T) {

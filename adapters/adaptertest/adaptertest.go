@@ -22,6 +22,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -59,6 +60,11 @@ const (
 	envTopic = "ADAPTERTEST_TOPIC"
 	envGroup = "ADAPTERTEST_GROUP"
 	envCrash = "ADAPTERTEST_CRASH_AFTER_COMMIT" // message UUID
+	// RunPoisonCrashLoop's child: the message UUID whose handler kills the process, and the
+	// inbox's dead-letter topic and MaxAttempts.
+	envCrashIn     = "ADAPTERTEST_CRASH_IN_HANDLER"
+	envDeadLetters = "ADAPTERTEST_DEAD_LETTER_TOPIC"
+	envMaxAttempts = "ADAPTERTEST_MAX_ATTEMPTS"
 )
 
 const consumerName = "matrix"
@@ -195,10 +201,18 @@ func consumer(t testing.TB, pool *pgxpool.Pool, b *adapters.Broker, topic string
 		}
 	}, ib.Middleware)
 	h := handler(pool)
+	crashIn := os.Getenv(envCrashIn) // RunPoisonCrashLoop's child only
 	for i := range n {
 		r.AddConsumerHandler(fmt.Sprintf("%s-%d", consumerName, i), topic, b.Subscriber, func(msg *message.Message) error {
 			if slow > 0 {
 				time.Sleep(slow)
+			}
+			if crashIn != "" && msg.UUID == crashIn {
+				// Inside the handler, its claim uncommitted: the run is recorded outside the
+				// inbox transaction, then the process dies.
+				_, _ = pool.Exec(context.WithoutCancel(msg.Context()), "INSERT INTO handler_runs (message_id) VALUES ($1)", msg.UUID)
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+				select {}
 			}
 			return h(msg)
 		})
@@ -352,13 +366,97 @@ func crashBetweenCommitAndAck(t *testing.T, h Harness) {
 
 // startChild re-executes the test binary to run h.ChildTest as a consumer of the fixture's
 // topic that SIGKILLs itself after the inbox committed message crash (never when crash is
-// empty). It does not wait for the child's READY line: the child may consume, and kill
-// itself, before it prints it. The child is killed when the test ends.
-func (f *fixture) startChild(crash string) *inboxtest.Child {
+// empty), with the extra environment more. It does not wait for the child's READY line: the
+// child may consume, and kill itself, before it prints it. The child is killed when the test
+// ends.
+func (f *fixture) startChild(crash string, more ...string) *inboxtest.Child {
 	f.t.Helper()
 	env := append(append([]string{}, f.h.Env...),
 		envChild+"=1", envDB+"="+f.sch.URL, envSch+"="+f.sch.Name, envTopic+"="+f.topic, envGroup+"="+f.group, envCrash+"="+crash)
-	return inboxtest.StartChild(f.t, f.h.ChildTest, env)
+	return inboxtest.StartChild(f.t, f.h.ChildTest, append(env, more...))
+}
+
+// RunPoisonCrashLoop checks the broker's redelivery signal (adapters.Broker.Redelivery) against
+// a message that kills its consumer every time its handler runs: each child process, with
+// dead letters on (MaxAttempts 2) and the broker's signal, SIGKILLs itself inside the handler;
+// the broker's own redelivery brings the message to the next child. The message must reach
+// the dead-letter topic after at most MaxAttempts + 1 handler runs (docs/design.md, "The worst
+// case": a signalled first delivery is not counted up front) and at least MaxAttempts, its
+// claim never committed and its payment never applied, the dead letter being the message as
+// published, while a healthy message published after it is applied once. A signal that called
+// a redelivery a first delivery would let the loop run on: the test fails after MaxAttempts + 2
+// children. It needs h.ChildTest's test function to call Child.
+func RunPoisonCrashLoop(t *testing.T, h Harness) {
+	if h.Timeout == 0 {
+		h.Timeout = 30 * time.Second
+	}
+	if h.ChildTest == "" {
+		h.ChildTest = "TestAdapterChild"
+	}
+	const maxAttempts = 2
+	f := newFixture(t, h)
+	dlTopic := f.topic + "_dead"
+	dl, err := f.broker.Subscriber.Subscribe(context.Background(), dlTopic) // declares it first
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dead atomic.Int64
+	var deadUUID, deadPayload atomic.Value
+	go func() {
+		for m := range dl {
+			if dead.Add(1) == 1 {
+				deadUUID.Store(m.UUID)
+				deadPayload.Store(string(m.Payload))
+			}
+			m.Ack()
+		}
+	}()
+	poison := paymentMsg("pay-crasher", 2, 5, false)
+	f.publish(poison, paymentMsg("pay-fine", 2, 1, false))
+	env := []string{envCrashIn + "=pay-crasher", envDeadLetters + "=" + dlTopic, envMaxAttempts + "=" + strconv.Itoa(maxAttempts)}
+	for n := 1; dead.Load() == 0; n++ {
+		if n > maxAttempts+2 {
+			t.Fatalf("%d children died and no dead letter came (handler runs %d): the redelivery signal let a crash go uncounted",
+				n-1, f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-crasher'"))
+		}
+		c := f.startChild("", env...)
+		deadline := time.Now().Add(2 * f.h.Timeout)
+		for {
+			if exited, err := c.Exited(); exited {
+				if !inboxtest.KilledBySIGKILL(err) {
+					t.Fatalf("child %d ended with %v, want death by SIGKILL in the handler", n, err)
+				}
+				break
+			}
+			if dead.Load() > 0 {
+				break // this child dead-lettered the message and lives on
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("child %d neither died nor dead-lettered the message within %s", n, 2*f.h.Timeout)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	f.waitFor("the healthy payment", func() bool {
+		return f.count("SELECT count(*) FROM inbox_processed_messages WHERE message_id = 'pay-fine'") == 1
+	})
+	time.Sleep(300 * time.Millisecond) // a second dead letter would arrive by now
+	runs := f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-crasher'")
+	switch {
+	case dead.Load() != 1:
+		t.Fatalf("%d dead letters, want 1", dead.Load())
+	case runs < maxAttempts || runs > maxAttempts+1:
+		t.Fatalf("the crashing handler ran %d times, want %d or %d (MaxAttempts, one more when the broker signalled the first delivery)", runs, maxAttempts, maxAttempts+1)
+	case deadUUID.Load() != poison.UUID || deadPayload.Load() != string(poison.Payload):
+		t.Fatalf("dead letter %v %v, want the original %s %s", deadUUID.Load(), deadPayload.Load(), poison.UUID, poison.Payload)
+	}
+	if n := f.count("SELECT count(*) FROM inbox_processed_messages WHERE message_id = 'pay-crasher'"); n != 0 {
+		t.Fatalf("the crashing message's claim committed (%d rows)", n)
+	}
+	if b := f.count("SELECT balance FROM accounts WHERE id = 2"); b != 1 {
+		t.Fatalf("balance %d, want 1 (the healthy payment only)", b)
+	}
+	t.Logf("the crashing handler ran %d times before the dead letter (MaxAttempts %d)", runs, maxAttempts)
 }
 
 // Child is the crash test's consumer process. It returns at once unless the test binary was
@@ -383,7 +481,15 @@ func Child(t *testing.T, h Harness) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: consumerName, BrokerSideFields: b.BrokerSideFields}, nil)
+	cfg := inbox.Config{Store: store, ConsumerName: consumerName, BrokerSideFields: b.BrokerSideFields}
+	if topic := os.Getenv(envDeadLetters); topic != "" {
+		// RunPoisonCrashLoop: dead letters, with the broker's redelivery signal.
+		cfg.DeadLetterPublisher, cfg.DeadLetterTopic, cfg.Redelivery = b.Publisher, topic, b.Redelivery
+		if cfg.MaxAttempts, err = strconv.Atoi(os.Getenv(envMaxAttempts)); err != nil {
+			t.Fatalf("child: %s: %v", envMaxAttempts, err)
+		}
+	}
+	ib, err := inbox.New(cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,6 +20,11 @@ var harness = adaptertest.Harness{
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness) }
 
+// TestPoisonCrashLoop: with no redelivery signal (every delivery counted before its handler),
+// a message that SIGKILLs its consumer inside the handler every time is dead-lettered after
+// MaxAttempts runs, by watermill-sql's own redelivery to the next process.
+func TestPoisonCrashLoop(t *testing.T) { adaptertest.RunPoisonCrashLoop(t, harness) }
+
 // BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figure
 // (go test ./adapters/postgres -run '^$' -bench RecoveryAfterSIGKILL).
 func BenchmarkRecoveryAfterSIGKILL(b *testing.B) { adaptertest.BenchmarkRecovery(b, harness) }

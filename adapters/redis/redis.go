@@ -32,6 +32,10 @@
 //     (each subscription reads up to two entries ahead, and nack loops count too): an entry
 //     claimed from a live consumer is delivered twice, a duplicate the inbox absorbs.
 //   - Consumers idle for ten minutes with nothing pending are removed from the group.
+//   - The broker's Redelivery tells the inbox which deliveries may follow an earlier run of
+//     the handler: an entry taken over with XCLAIM is Redelivered, one read with XREADGROUP is
+//     a FirstDelivery, the copy re-sent after a nack RedeliveryUnknown (redelivery.go,
+//     ReadKey; docs/adapters.md, "Redis Streams' first-delivery signal").
 //
 // Defaults: MaxIdleTime 15 s and ClaimInterval 1 s (watermill-redisstream's 60 s and 5 s left
 // a killed consumer's entries unprocessed for over a minute; docs/operations.md), and
@@ -68,8 +72,9 @@ const Name = "redis"
 const UnmarshalErrorKey = "_watermill_inbox_unmarshal_error"
 
 // BrokerSideFields are the names under which Redis' delivery state would reach message
-// metadata. None does with this adapter: the entry ID and the pending list's delivery counter
-// stay inside watermill-redisstream. The names are those a custom unmarshaler would use.
+// metadata. Only ReadKey does with this adapter (its mark on each read, for Redelivery): the
+// entry ID and the pending list's delivery counter stay inside watermill-redisstream; their
+// names are those a custom unmarshaler would use.
 var BrokerSideFields = brokerside.Redis
 
 // Defaults of MaxIdleTime and ClaimInterval (see Config): a killed consumer's pending entries
@@ -156,7 +161,8 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	}
 	// The URL's password never reaches a log line or an error (internal/redact).
 	logger = redact.Logger(logger, cfg.URL)
-	sub, err := newSubscriber(cfg, logger)
+	claimed := newClaimedSet()
+	sub, err := newSubscriber(cfg, logger, claimed)
 	if err != nil {
 		return nil, err
 	}
@@ -178,18 +184,20 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 			if err := gc.Validate(); err != nil {
 				return nil, err
 			}
-			return newSubscriber(gc, logger)
+			return newSubscriber(gc, logger, claimed)
 		},
 		BrokerSideFields: BrokerSideFields,
-		Redelivery:       adapters.UnknownRedelivery,
+		Redelivery:       claimed.redelivery,
 	}, nil
 }
 
 // newSubscriber connects a client of its own (closed with the subscriber), checks the server
-// answers, and returns a subscriber of cfg.ConsumerGroup.
-func newSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscriber, error) {
+// answers, and returns a subscriber of cfg.ConsumerGroup whose claims (XCLAIM) are recorded in
+// claimed.
+func newSubscriber(cfg Config, logger watermill.LoggerAdapter, claimed *claimedSet) (message.Subscriber, error) {
 	opts, _ := goredis.ParseURL(cfg.URL)
 	subClient := goredis.NewClient(opts)
+	subClient.AddHook(claimHook{claimed})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := subClient.Ping(ctx).Err(); err != nil {
@@ -222,6 +230,9 @@ func newSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscrib
 //   - undecodable metadata gives an empty UUID and metadata holding only UnmarshalErrorKey
 //     (with the UUID the entry carried), so the inbox refuses it rather than a handler running
 //     without the metadata its producer sent.
+//
+// Every message it returns carries ReadKey "1" (a producer's value under that name is
+// replaced), the mark the broker's Redelivery reads.
 type Unmarshaller struct{}
 
 // Unmarshal implements redisstream.Unmarshaller. It never returns an error.
@@ -236,6 +247,7 @@ func (Unmarshaller) Unmarshal(values map[string]any) (*message.Message, error) {
 		}
 		msg.Metadata = md
 	}
+	msg.Metadata.Set(ReadKey, readFresh) // whatever the producer's metadata held under it
 	return msg, nil
 }
 

@@ -65,6 +65,11 @@ func harness(t testing.TB) adaptertest.Harness {
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
 func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 
+// TestPoisonCrashLoop: a message that SIGKILLs its consumer inside the handler every time is
+// dead-lettered after MaxAttempts or MaxAttempts + 1 runs, by the broker's own redeliveries:
+// the adapter's redelivery signal never calls a redelivery a first delivery.
+func TestPoisonCrashLoop(t *testing.T) { adaptertest.RunPoisonCrashLoop(t, harness(t)) }
+
 // envRecoveryDefaults makes TestAdapterChild use the adapter's default timings.
 const envRecoveryDefaults = "INBOX_RECOVERY_DEFAULTS"
 

@@ -74,8 +74,9 @@ var NATS = map[string]string{
 // Redis: Redis Streams' delivery state.
 var Redis = map[string]string{
 
-	"xid":             "a Redis stream entry ID describes the stream's storage; a republished message gets a new one",
-	"times_delivered": "the consumer group's pending list counts deliveries in it (XPENDING)"}
+	"xid":                         "a Redis stream entry ID describes the stream's storage; a republished message gets a new one",
+	"times_delivered":             "the consumer group's pending list counts deliveries in it (XPENDING)",
+	"_watermill_inbox_redis_read": "adapters/redis marks each message it reads from Redis, for its redelivery signal"}
 
 // Postgres: watermill-sql sets no delivery metadata; its offsets stay internal.
 var Postgres = map[string]string{}
@@ -90,6 +91,7 @@ var Delivered = []string{
 	"num_delivered",               // adapters/nats, JetStream's delivery count
 	"ApproximateReceiveCount",     // adapters/sqs, SQS's receive count
 	"SequenceNumber",              // adapters/sqs, on FIFO queues
+	"_watermill_inbox_redis_read", // adapters/redis, on every read (its redelivery signal)
 }
 
 // Tables are every broker's table, by adapter name.
