@@ -7,8 +7,8 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -34,7 +34,6 @@ const (
 	envBatchSize  = "ADAPTERTEST_BATCH_SIZE"
 	envHandlers   = "ADAPTERTEST_HANDLERS"
 	envCrashPoint = "ADAPTERTEST_CRASH_POINT" // before-claim, in-handler or after-commit
-	envCrashID    = "ADAPTERTEST_CRASH_ID"
 )
 
 // Crash points of RunBatchedCrashes.
@@ -81,7 +80,6 @@ func batchedCrash(t *testing.T, h Harness, handlers int, point string) {
 	for k, a := range batchAmounts {
 		msgs = append(msgs, paymentMsg(fmt.Sprintf("bpay-%d", k), 5, a, false))
 	}
-	crashID := msgs[1].UUID
 	f.publish(msgs...)
 	_ = f.broker.Close() // the parent only publishes; the children consume
 	startChild := func(crash bool) *inboxtest.Child {
@@ -89,7 +87,7 @@ func batchedCrash(t *testing.T, h Harness, handlers int, point string) {
 			envChild+"=1", envBatchChild+"=1", envDB+"="+f.sch.URL, envSch+"="+f.sch.Name, envTopic+"="+f.topic, envGroup+"="+f.group,
 			envBatchSize+"=4", envHandlers+"="+strconv.Itoa(handlers))
 		if crash {
-			env = append(env, envCrashPoint+"="+point, envCrashID+"="+crashID)
+			env = append(env, envCrashPoint+"="+point)
 		}
 		return inboxtest.StartChild(t, h.ChildTest, env)
 	}
@@ -98,11 +96,15 @@ func batchedCrash(t *testing.T, h Harness, handlers int, point string) {
 	if err := first.WaitExit(t, h.Timeout); !inboxtest.KilledBySIGKILL(err) {
 		t.Fatalf("first child ended with %v, want death by SIGKILL at the injected point", err)
 	}
-	line, ok := first.Find("CRASH ")
-	if !ok || !strings.HasPrefix(line, "CRASH "+point+" "+crashID+" members=") {
+	// The child crashes at the first batch of two or more members (the broker may hand out
+	// the backlog's first deliveries one by one, which run alone): the CRASH line names the
+	// member it crashed on.
+	line, _ := first.Find("CRASH ")
+	var crashID string
+	var members int
+	if _, err := fmt.Sscanf(line, "CRASH "+point+" %s members=%d", &crashID, &members); err != nil || !slices.ContainsFunc(msgs, func(m *message.Message) bool { return m.UUID == crashID }) {
 		t.Fatalf("first child died without reaching the crash point: %q", line)
 	}
-	members, _ := strconv.Atoi(strings.TrimPrefix(line, "CRASH "+point+" "+crashID+" members="))
 	if members < 2 {
 		t.Fatalf("the crashed delivery's batch had %d members; the test needs a batch (concurrent deliveries)", members)
 	}
@@ -171,48 +173,29 @@ func crashNow(point, id string, members int) {
 	select {}
 }
 
-// crashStore notes the size of the batch that claims the crash message and, at the
-// before-claim point, kills the process when that claim is about to be sent: the batch (or a
-// lone delivery) holds nothing yet.
+// crashStore chooses the crash message, the second member of the first batch claim of two or
+// more members (deliveries claimed alone before it run normally), notes that batch's size
+// and, at the before-claim point, kills the process when its claim is about to be sent: the
+// batch holds nothing yet.
 type crashStore struct {
 	*pgstore.Store
-	id, point string
-	members   *atomic.Int64
+	id      *atomic.Value // string: the chosen message ID, "" until chosen
+	point   string
+	members *atomic.Int64
 }
 
 func (s crashStore) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
-	for _, c := range p.Claims {
-		if c.Key.MessageID == s.id {
-			s.members.Store(int64(len(p.Claims)))
-			if s.point == crashBeforeClaim {
-				crashNow(crashBeforeClaim, s.id, len(p.Claims))
-			}
+	if len(p.Claims) >= 2 && s.id.CompareAndSwap("", p.Claims[1].Key.MessageID) {
+		s.members.Store(int64(len(p.Claims)))
+		if s.point == crashBeforeClaim {
+			crashNow(crashBeforeClaim, p.Claims[1].Key.MessageID, len(p.Claims))
 		}
 	}
 	return s.Store.ClaimBatch(ctx, p)
 }
 
-func (s crashStore) lone(id string) {
-	if id == s.id {
-		s.members.Store(1)
-		if s.point == crashBeforeClaim {
-			crashNow(crashBeforeClaim, s.id, 1)
-		}
-	}
-}
-
-func (s crashStore) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
-	s.lone(p.Key.MessageID)
-	return s.Store.Claim(ctx, p)
-}
-
-func (s crashStore) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
-	s.lone(p.Key.MessageID)
-	return s.Store.ClaimCounted(ctx, p)
-}
-
 // batchedChild is Child in the batched mode: the inbox batches up to ADAPTERTEST_BATCH_SIZE
-// deliveries (Linger 200 ms, so the deliveries the broker hands out at once meet), with a
+// deliveries (Linger 1 s, so the deliveries the broker hands out close together meet), with a
 // dead-letter topic and the broker's redelivery signal (durable attempt counting on), and
 // kills itself at the crash point when one is set.
 func batchedChild(t *testing.T, h Harness) {
@@ -227,12 +210,15 @@ func batchedChild(t *testing.T, h Harness) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	point, id := os.Getenv(envCrashPoint), os.Getenv(envCrashID)
+	point := os.Getenv(envCrashPoint)
 	var members atomic.Int64
+	var chosen atomic.Value // the crash message: a member of the first batch of two or more
+	chosen.Store("")
 	var s inbox.Store = store
 	if point != "" {
-		s = crashStore{Store: store, id: id, point: point, members: &members}
+		s = crashStore{Store: store, id: &chosen, point: point, members: &members}
 	}
+	crashOn := func(msg *message.Message) bool { return msg.UUID == chosen.Load().(string) }
 	size, _ := strconv.Atoi(os.Getenv(envBatchSize))
 	handlers, _ := strconv.Atoi(os.Getenv(envHandlers))
 	topic := os.Getenv(envTopic)
@@ -257,8 +243,8 @@ func batchedChild(t *testing.T, h Harness) {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			_, _ = pool.Exec(context.WithoutCancel(msg.Context()), "INSERT INTO deliveries VALUES ($1, $2)", msg.UUID, pid)
 			out, err := next(msg)
-			if err == nil && point == crashAfterCommit && msg.UUID == id {
-				crashNow(crashAfterCommit, id, int(members.Load())) // the batch committed; no ack yet
+			if err == nil && point == crashAfterCommit && crashOn(msg) {
+				crashNow(crashAfterCommit, msg.UUID, int(members.Load())) // the batch committed; no ack yet
 			}
 			if err != nil {
 				time.Sleep(20 * time.Millisecond)
@@ -267,8 +253,8 @@ func batchedChild(t *testing.T, h Harness) {
 		}
 	})
 	handler := batchHandler(pool, pid, func(msg *message.Message) {
-		if msg.UUID == id && point == crashInHandler {
-			crashNow(crashInHandler, id, int(members.Load())) // after its UPDATE, before the COMMIT
+		if point == crashInHandler && crashOn(msg) {
+			crashNow(crashInHandler, msg.UUID, int(members.Load())) // after its UPDATE, before the COMMIT
 		}
 	})
 	wrapped := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) })
