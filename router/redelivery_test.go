@@ -20,7 +20,7 @@ import (
 // appended after its consumer was assigned the partition is FirstDelivery, redis's read with
 // XREADGROUP too, and the in-process re-send after a nack of either is RedeliveryUnknown (a
 // redis entry taken over with XCLAIM is Redelivered: TestPoisonCrashLoop in adapters/redis,
-// TestClaimHookMarksOnlyXClaim); goaws always reports an
+// TestRedeliveryMarksTravelWithTheEntry); goaws always reports an
 // ApproximateReceiveCount of 1 on a standard queue, which the sqs adapter reads as unknown
 // (SQS's Redelivered case is covered by TestSQSRedeliveryFromReceiveCount, not on goaws).
 func TestRedeliverySignalPerBroker(t *testing.T) {

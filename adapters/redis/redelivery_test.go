@@ -3,7 +3,6 @@ package redis
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill-redisstream/pkg/redisstream"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -12,62 +11,55 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// TestClaimHookMarksOnlyXClaim: the hook records the UUIDs an XCLAIM returned, and nothing
-// from other reads; Redelivery answers Redelivered once per claimed UUID, FirstDelivery once
-// for a message as the Unmarshaller read it, RedeliveryUnknown for its re-sent copy and for
-// anything else; a producer cannot forge the mark; entries left in the set expire after
-// claimedTTL. (The signal against a real
-// consumer killed inside its handler is TestPoisonCrashLoop.)
-func TestClaimHookMarksOnlyXClaim(t *testing.T) {
-	set := newClaimedSet()
-	hook := claimHook{set}.ProcessHook(func(context.Context, goredis.Cmder) error { return nil })
-	claim := goredis.NewXMessageSliceCmd(context.Background(), "xclaim", "s", "g", "c", 0, "1-0")
-	claim.SetVal([]goredis.XMessage{{ID: "1-0", Values: map[string]any{redisstream.UUIDHeaderKey: "m-claimed"}}, {ID: "2-0", Values: map[string]any{}}})
-	rng := goredis.NewXMessageSliceCmd(context.Background(), "xrange", "s", "-", "+")
-	rng.SetVal([]goredis.XMessage{{ID: "3-0", Values: map[string]any{redisstream.UUIDHeaderKey: "m-read"}}})
-	for _, c := range []goredis.Cmder{claim, rng} {
+// TestRedeliveryMarksTravelWithTheEntry: the hook marks the entries an XCLAIM returned, in
+// their own field maps, and nothing another command returned; Redelivery answers Redelivered
+// for a marked entry's message (its re-sent copy too), FirstDelivery once for a message as
+// read otherwise and RedeliveryUnknown for its re-sent copy and for anything else; one UUID
+// claimed in one group and read fresh in another (or twice in one) keeps each delivery's own
+// answer, whatever the order; a producer cannot forge a first delivery. (The signal against a
+// real consumer killed inside its handler is TestPoisonCrashLoop.)
+func TestRedeliveryMarksTravelWithTheEntry(t *testing.T) {
+	hook := claimHook{}.ProcessHook(func(context.Context, goredis.Cmder) error { return nil })
+	entry := func(id string) goredis.XMessage {
+		return goredis.XMessage{ID: "1-0", Values: map[string]any{redisstream.UUIDHeaderKey: id, "payload": "p"}}
+	}
+	claim := goredis.NewXMessageSliceCmd(context.Background(), "xclaim", "s", "g1", "c", 0, "1-0")
+	claim.SetVal([]goredis.XMessage{entry("m"), {ID: "2-0"}})
+	read := goredis.NewXMessageSliceCmd(context.Background(), "xrange", "s", "-", "+")
+	read.SetVal([]goredis.XMessage{entry("m")})
+	for _, c := range []goredis.Cmder{claim, read} {
 		if err := hook(context.Background(), c); err != nil {
 			t.Fatal(err)
 		}
 	}
-	read := func(id string) *message.Message {
-		m, err := Unmarshaller{}.Unmarshal(map[string]any{redisstream.UUIDHeaderKey: id, "payload": "p"})
+	msg := func(x goredis.XMessage) *message.Message {
+		m, err := Unmarshaller{}.Unmarshal(x.Values)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return m
 	}
-	if got := set.redelivery(read("m-claimed")); got != inbox.Redelivered {
-		t.Errorf("a claimed message: %v, want Redelivered", got)
+	fresh, claimed := msg(read.Val()[0]), msg(claim.Val()[0])
+	// The fresh read of the same UUID asks first: the claimed delivery still reads Redelivered.
+	// Each copy is made after the call before it, as watermill-redisstream copies a message
+	// after its nack.
+	check := func(name string, m *message.Message, want inbox.Redelivery) {
+		t.Helper()
+		if got := Redelivery(m); got != want {
+			t.Errorf("%s: %v, want %v", name, got, want)
+		}
 	}
-	first := read("m-read")
-	if got := set.redelivery(first); got != inbox.FirstDelivery {
-		t.Errorf("a message as read: %v, want FirstDelivery", got)
-	}
-	// watermill-redisstream re-sends msg.Copy() after a nack.
-	if got := set.redelivery(first.Copy()); got != inbox.RedeliveryUnknown {
-		t.Errorf("the copy re-sent after a nack: %v, want RedeliveryUnknown", got)
-	}
-	if got := set.redelivery(first); got != inbox.RedeliveryUnknown {
-		t.Errorf("a second call for one delivery: %v, want RedeliveryUnknown", got)
-	}
-	if got := set.redelivery(message.NewMessage("m-other", nil)); got != inbox.RedeliveryUnknown {
-		t.Errorf("a message not read by the Unmarshaller: %v, want RedeliveryUnknown", got)
-	}
+	check("a fresh read", fresh, inbox.FirstDelivery)
+	check("its copy re-sent after a nack", fresh.Copy(), inbox.RedeliveryUnknown)
+	check("a second call for the fresh read", fresh, inbox.RedeliveryUnknown)
+	check("a claimed entry of the same UUID", claimed, inbox.Redelivered)
+	check("its copy re-sent after a nack", claimed.Copy(), inbox.Redelivered)
+	check("a message not read by the Unmarshaller", message.NewMessage("x", nil), inbox.RedeliveryUnknown)
 	forged := message.NewMessage("m-forged", nil)
-	forged.Metadata.Set(ReadKey, readSeen)
+	forged.Metadata.Set(ReadKey, readFresh)
 	raw, _ := redisstream.DefaultMarshallerUnmarshaller{}.Marshal("s", forged)
-	if m, _ := (Unmarshaller{}).Unmarshal(raw); m.Metadata.Get(ReadKey) != readFresh {
-		t.Errorf("a producer's %s survived the read: %q", ReadKey, m.Metadata.Get(ReadKey))
-	}
-	old := time.Now().Add(-2 * claimedTTL)
-	set.add(old, "m-old")
-	set.next = time.Time{}
-	set.add(time.Now(), "m-new")
-	if _, ok := set.ids["m-old"]; ok {
-		t.Error("an entry older than claimedTTL was kept")
-	}
-	if got := set.redelivery(read("m-new")); got != inbox.Redelivered {
-		t.Errorf("redelivery(m-new) = %v, want Redelivered", got)
+	raw[claimedField] = "1" // as go-redis hands a claimed entry's fields
+	if m := msg(goredis.XMessage{Values: raw}); Redelivery(m) != inbox.Redelivered {
+		t.Errorf("a claimed entry whose producer set %s=%q read %v, want Redelivered", ReadKey, readFresh, m.Metadata.Get(ReadKey))
 	}
 }

@@ -161,8 +161,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	}
 	// The URL's password never reaches a log line or an error (internal/redact).
 	logger = redact.Logger(logger, cfg.URL)
-	claimed := newClaimedSet()
-	sub, err := newSubscriber(cfg, logger, claimed)
+	sub, err := newSubscriber(cfg, logger)
 	if err != nil {
 		return nil, err
 	}
@@ -184,20 +183,20 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 			if err := gc.Validate(); err != nil {
 				return nil, err
 			}
-			return newSubscriber(gc, logger, claimed)
+			return newSubscriber(gc, logger)
 		},
 		BrokerSideFields: BrokerSideFields,
-		Redelivery:       claimed.redelivery,
+		Redelivery:       Redelivery,
 	}, nil
 }
 
 // newSubscriber connects a client of its own (closed with the subscriber), checks the server
-// answers, and returns a subscriber of cfg.ConsumerGroup whose claims (XCLAIM) are recorded in
-// claimed.
-func newSubscriber(cfg Config, logger watermill.LoggerAdapter, claimed *claimedSet) (message.Subscriber, error) {
+// answers, and returns a subscriber of cfg.ConsumerGroup whose claimed (XCLAIM) entries are
+// marked for Redelivery (claimHook).
+func newSubscriber(cfg Config, logger watermill.LoggerAdapter) (message.Subscriber, error) {
 	opts, _ := goredis.ParseURL(cfg.URL)
 	subClient := goredis.NewClient(opts)
-	subClient.AddHook(claimHook{claimed})
+	subClient.AddHook(claimHook{})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := subClient.Ping(ctx).Err(); err != nil {
@@ -231,8 +230,9 @@ func newSubscriber(cfg Config, logger watermill.LoggerAdapter, claimed *claimedS
 //     (with the UUID the entry carried), so the inbox refuses it rather than a handler running
 //     without the metadata its producer sent.
 //
-// Every message it returns carries ReadKey "1" (a producer's value under that name is
-// replaced), the mark the broker's Redelivery reads.
+// Every message it returns carries ReadKey (a producer's value under that name is replaced),
+// the mark Redelivery reads: "claimed" for an entry claimHook marked as taken over with XCLAIM,
+// "1" otherwise.
 type Unmarshaller struct{}
 
 // Unmarshal implements redisstream.Unmarshaller. It never returns an error.
@@ -247,7 +247,12 @@ func (Unmarshaller) Unmarshal(values map[string]any) (*message.Message, error) {
 		}
 		msg.Metadata = md
 	}
-	msg.Metadata.Set(ReadKey, readFresh) // whatever the producer's metadata held under it
+	// The redelivery mark, whatever the producer's metadata held under ReadKey.
+	if str(values[claimedField]) != "" {
+		msg.Metadata.Set(ReadKey, readClaimed)
+	} else {
+		msg.Metadata.Set(ReadKey, readFresh)
+	}
 	return msg, nil
 }
 
