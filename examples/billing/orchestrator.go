@@ -409,10 +409,10 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 	return rows, account, nil
 }
 
-// holdLastClaim opens a transaction that inserts the inbox row of the last-sent payment the
-// inbox has not recorded yet, and leaves it uncommitted. It returns the transaction and the
-// payment's index in d.w.ids.
-func (d *demo) holdLastClaim(ctx context.Context) (pgx.Tx, int, error) {
+// holdLastClaim claims, through the store as a consumer would (so the key's lock is held too),
+// the last-sent payment the inbox has not recorded yet, and leaves the claim uncommitted. It
+// returns the claim's transaction and the payment's index in d.w.ids.
+func (d *demo) holdLastClaim(ctx context.Context) (inbox.Tx, int, error) {
 	for range 10 {
 		rows, err := d.pool.Query(ctx, "SELECT message_id FROM "+d.store.Table()+" WHERE consumer_name = $1", consumerName)
 		if err != nil {
@@ -435,17 +435,13 @@ func (d *demo) holdLastClaim(ctx context.Context) (pgx.Tx, int, error) {
 		if last < 0 {
 			return nil, 0, errors.New("every payment is already processed: no mid-stream kill possible")
 		}
-		tx, err := d.pool.Begin(ctx)
-		if err != nil {
-			return nil, 0, err
-		}
-		tag, err := tx.Exec(ctx, "INSERT INTO "+d.store.Table()+" (message_id, consumer_name) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-			d.w.ids[last], consumerName)
-		if err == nil && tag.RowsAffected() == 1 {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		tx, res, err := d.store.Claim(cctx, inbox.ClaimParams{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
+		cancel()
+		if err == nil && res.Claimed {
 			return tx, last, nil
 		}
-		_ = tx.Rollback(context.WithoutCancel(ctx))
-		if err != nil {
+		if err != nil && !errors.Is(err, pgstore.ErrClaimInFlight) {
 			return nil, 0, fmt.Errorf("claim the last payment: %w", err)
 		}
 		// No consumer runs now, so this is not reached; retry anyway.

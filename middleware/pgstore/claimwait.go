@@ -94,11 +94,24 @@ func (s *Store) claimLockTimeout() time.Duration {
 	return s.cfg.ClaimLockTimeout
 }
 
+// lockWait is the lock_timeout of the claim's statements that wait on a key's lock (a
+// count-first delivery's session lock, a counted batch's locks, the waiting claim forms), or 0
+// to leave lock_timeout as it is. Under the tried lock (ClaimLockTimeout zero) it is
+// DefaultClaimLockTimeout even with LockTimeout set: those waits then give the connection
+// back as the tried claims do, and whileHeld bounds the whole in-process wait by LockTimeout.
+// Otherwise it is claimLockTimeout.
+func (s *Store) lockWait() time.Duration {
+	if s.tryLock() {
+		return DefaultClaimLockTimeout
+	}
+	return s.claimLockTimeout()
+}
+
 // queueClaimLockTimeout queues the claim's lock_timeout. In the claim transaction (restore)
 // the transaction's own value is saved first, and queueRestoreLockTimeout puts it back after
 // the claim, so the handler's statements run under LockTimeout or the server's setting.
 func (s *Store) queueClaimLockTimeout(b *pgx.Batch, restore bool) {
-	d := s.claimLockTimeout()
+	d := s.lockWait()
 	if d == 0 {
 		return
 	}
@@ -114,7 +127,7 @@ func (s *Store) queueClaimLockTimeout(b *pgx.Batch, restore bool) {
 // queueRestoreLockTimeout queues the restore of the lock_timeout saved by
 // queueClaimLockTimeout.
 func (s *Store) queueRestoreLockTimeout(b *pgx.Batch) {
-	if s.claimLockTimeout() == 0 {
+	if s.lockWait() == 0 {
 		return
 	}
 	b.Queue("select set_config('lock_timeout', current_setting('" + savedLockTimeout + "'), true)")

@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -210,5 +211,70 @@ func testClaimBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, path claimP
 	}
 	if rows != 1 || records != 0 {
 		t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0: waits are not attempts", rows, records)
+	}
+}
+
+// TestTriedClaimNeverHoldsItsConnectionBehindAKeyInFlight: whatever the configuration of the
+// store whose claim holds a key (the default tried lock, a positive ClaimLockTimeout, a
+// negative one: every form takes the key's lock), a default store's claim of that key, plain
+// or counting first, with LockTimeout set or not, gives its pool connection back while it
+// waits (the pool's second connection is free most of the time) and ends with
+// ErrClaimInFlight, counting nothing: a count-first delivery's session lock waits at most
+// DefaultClaimLockTimeout even when LockTimeout is longer, and LockTimeout bounds the
+// in-process wait.
+func TestTriedClaimNeverHoldsItsConnectionBehindAKeyInFlight(t *testing.T) {
+	for _, holder := range []struct {
+		name    string
+		timeout time.Duration
+	}{{"holder-tried", 0}, {"holder-lock-timeout", pgstore.DefaultClaimLockTimeout}, {"holder-off", -1}} {
+		for _, lockTimeout := range []time.Duration{0, 2 * time.Second} {
+			for _, countFirst := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s/LockTimeout=%s/countFirst=%v", holder.name, lockTimeout, countFirst), func(t *testing.T) {
+					hs, sch := layoutStore(t, 2, pgstore.Config{ClaimLockTimeout: holder.timeout})
+					s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, LockTimeout: lockTimeout})
+					if err != nil {
+						t.Fatal(err)
+					}
+					ctx := context.Background()
+					p := inbox.ClaimParams{Key: inbox.Key{MessageID: "m-held", ConsumerName: "c"}}
+					first, res, err := hs.Claim(ctx, p)
+					if err != nil || !res.Claimed {
+						t.Fatalf("first claim: %v %+v", err, res)
+					}
+					defer first.Rollback(ctx)
+					done := make(chan error, 1)
+					go func() {
+						cctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+						defer cancel()
+						tx, _, err := s.ClaimCounted(cctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: countFirst})
+						if tx != nil {
+							_ = tx.Rollback(ctx)
+						}
+						done <- err
+					}()
+					free := 0
+					for range 20 {
+						actx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+						if c, err := sch.Pool.Acquire(actx); err == nil {
+							free++
+							c.Release()
+						}
+						cancel()
+						time.Sleep(10 * time.Millisecond)
+					}
+					err = <-done
+					if free < 10 {
+						t.Errorf("the waiting claim held its connection: the pool's second connection was free %d times of 20", free)
+					}
+					if !errors.Is(err, pgstore.ErrClaimInFlight) {
+						t.Errorf("claim behind a key in flight: %v, want ErrClaimInFlight", err)
+					}
+					var records int
+					if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&records); err != nil || records != 0 {
+						t.Errorf("%d attempt records (%v), want 0: a wait is not an attempt", records, err)
+					}
+				})
+			}
+		}
 	}
 }

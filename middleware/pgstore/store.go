@@ -140,7 +140,7 @@ type Store struct {
 	consumers     string
 	registered    sync.Map
 	// The claim statement's forms (buildClaims).
-	claimSQL, lockedClaimSQL, claimLTSQL, lockedClaimLTSQL, tryClaimSQL string
+	lockedClaimSQL, lockedClaimLTSQL, tryClaimSQL string
 	// The batch claim's statements (batchSQL), built once.
 	batch batchSQL
 }
@@ -226,34 +226,34 @@ func newNames(cfg Config) (*Store, error) {
 	return s, nil
 }
 
-// buildClaims builds the claim statement's four forms from the inbox table's columns, the
+// buildClaims builds the claim statement's three forms from the inbox table's columns, the
 // VALUES expressions ($1 to $n, n = len(vals)), the conflict target, and first (vals[0] with
-// its type spelled out, for a sub-select):
+// its type spelled out, for a sub-select). Every form takes the key's transaction-level
+// advisory lock ($n+1: lockKey) before its insert:
 //
-//   - claimSQL: INSERT ... VALUES (...) ON CONFLICT (...) DO NOTHING;
-//
-//   - lockedClaimSQL: the key's transaction-level advisory lock ($n+1: lockKey) is taken by a
-//     sub-select in the first value, so the claim meets the key's lock exactly as a lock
+//   - lockedClaimSQL: INSERT ... VALUES (...) ON CONFLICT (...) DO NOTHING, the lock taken by
+//     a sub-select in the first value, so the claim meets the key's lock exactly as a lock
 //     statement sent before it would, one statement fewer (pg_advisory_xact_lock is
-//     volatile: never folded away);
+//     volatile: never folded away); a negative ClaimLockTimeout, or a positive one with
+//     LockTimeout set;
 //
-//   - claimLTSQL and lockedClaimLTSQL: the same with the claim's lock_timeout ($n+1, or $n+2
-//     after the lock key) set inside the statement before it can wait (the transaction's own
-//     value saved in watermill_inbox.lock_timeout first), and put back by RETURNING once the
-//     row is inserted, so the handler's statements run under the transaction's own
-//     lock_timeout. A claim that inserts nothing (a duplicate, or a lock wait past the timeout,
-//     SQLSTATE 55P03) is rolled back, so nothing needs restoring. No statement is added to the
-//     claim's round trip.
+//   - lockedClaimLTSQL: the same with the claim's lock_timeout ($n+2) set inside the
+//     statement before it can wait (the transaction's own value saved in
+//     watermill_inbox.lock_timeout first), and put back by RETURNING once the row is
+//     inserted, so the handler's statements run under the transaction's own lock_timeout. A
+//     claim that inserts nothing (a duplicate, or a lock wait past the timeout, SQLSTATE
+//     55P03) is rolled back, so nothing needs restoring. No statement is added to the claim's
+//     round trip. A positive ClaimLockTimeout;
 //
 //   - tryClaimSQL: INSERT ... SELECT <the same values> WHERE pg_try_advisory_xact_lock(...)
 //     ON CONFLICT (...) DO NOTHING, the default (ClaimLockTimeout zero): the key's
 //     transaction-level advisory lock ($n+1: lockKey) is tried, never waited for; when a
 //     delivery in flight holds it the statement inserts nothing and waits for nothing, and the
 //     stored-hash read that follows finds no row (claimOnce: errKeyHeld). Every claim of a
-//     key holds that lock until its claim commits or rolls back (this statement, the locked
-//     forms, the count-first session lock, a counted batch's locks, an uncounted batch's
-//     tried locks; with a positive ClaimLockTimeout the plain forms take none), so a claim
-//     that got the lock does not wait on the unique index either.
+//     key holds that lock until its claim commits or rolls back (these three forms, the
+//     count-first session lock, a counted batch's locks, an uncounted batch's tried locks),
+//     so a claim that got the lock does not wait on the unique index either, whatever the
+//     other claimant's configuration.
 //
 // VALUES expressions are computed before the row is inserted, so the sub-select runs before
 // the insert can wait on a concurrent claim of the key (the unique index's speculative
@@ -270,9 +270,7 @@ func (s *Store) buildClaims(cols string, vals []string, conflict, first string) 
 		return fmt.Sprintf("(SELECT set_config('lock_timeout', $%d, true) AS lt FROM (SELECT set_config('"+savedLockTimeout+"', current_setting('lock_timeout'), true) AS saved) AS saved) AS lt", param)
 	}
 	const restore = " RETURNING set_config('lock_timeout', current_setting('" + savedLockTimeout + "'), true)"
-	s.claimSQL = stmt(vals[0], "")
 	s.lockedClaimSQL = stmt("(SELECT "+first+" FROM (SELECT "+lock(n+1)+") AS key_lock)", "")
-	s.claimLTSQL = stmt("(SELECT "+first+" FROM "+lt(n+1)+")", restore)
 	s.lockedClaimLTSQL = stmt("(SELECT "+first+" FROM (SELECT "+lock(n+1)+" FROM "+lt(n+2)+") AS key_lock)", restore)
 	s.tryClaimSQL = "INSERT INTO " + s.table + " (" + cols + ") SELECT " + strings.Join(vals, ", ") +
 		fmt.Sprintf(" WHERE pg_try_advisory_xact_lock(hashtextextended($%d, 0))", n+1) +
@@ -323,12 +321,13 @@ func millis(d time.Duration) string {
 // Claim implements inbox.Store. BEGIN, the local timeouts and the claim travel in one
 // pipelined round trip (pgx's Batch.BeginTx):
 //
-//	BEGIN ISOLATION LEVEL ...; INSERT ... ON CONFLICT (message_id, consumer_name) DO NOTHING
+//	BEGIN ISOLATION LEVEL ...; INSERT ... SELECT ... WHERE pg_try_advisory_xact_lock(...) ON CONFLICT (message_id, consumer_name) DO NOTHING
 //
-// Zero rows inserted means a duplicate. ON CONFLICT DO NOTHING never raises 23505, and a
-// concurrent claim of the same key waits on the first transaction's uncommitted row. A
-// duplicate costs one more round trip, to read the stored payload hash, then the store rolls
-// its transaction back. Errors are pgx's, wrapped with the failing step; on error the
+// Zero rows inserted means a duplicate, or, when the stored payload hash read next finds no
+// row, a key held by a delivery in flight: the claim then gives its connection back and
+// tries again in process (Config.ClaimLockTimeout; ErrClaimInFlight when its context ends).
+// ON CONFLICT DO NOTHING never raises 23505. A duplicate costs one more round trip, to read
+// the stored payload hash, then the store rolls its transaction back. Errors are pgx's, wrapped with the failing step; on error the
 // transaction is rolled back and the connection released.
 func (s *Store) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
 	t, res, err := s.claim(ctx, inbox.CountedClaimParams{ClaimParams: p}, false)
@@ -388,7 +387,7 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 	}
 	k := p.Key
 	b := &pgx.Batch{}
-	lt := s.claimLockTimeout()
+	lt := s.lockWait()
 	if counted && p.CountFirst {
 		// The transaction pgx hands back is the second BEGIN below: the first is the
 		// count's own, committed inside the same pipeline.
@@ -416,23 +415,19 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
-	claimSQL, args := s.claimSQL, s.claimArgs(p.ClaimParams, period)
-	// A counted claim that did not count first still takes the key's lock, for its
-	// transaction only, inside the claim statement: while its handler runs no copy can
-	// count, so its Fail reports its own failure, never a waiting copy's count. With a
-	// claim lock timeout, the statement sets it before it can wait and restores the
-	// transaction's own once the row is in (buildClaims).
-	switch locked := counted && !p.CountFirst; {
+	// Every claim takes the key's lock, for its transaction, inside the claim statement
+	// (buildClaims): tried by default, else waited for (under the claim's lock_timeout when
+	// one is set, restored once the row is in). A counted claim that did not count first
+	// needs it: while its handler runs no copy can count, so its Fail reports its own
+	// failure, never a waiting copy's count; and every claim holds it, so that a tried claim
+	// of the key never waits on the unique index behind it. A count-first delivery already
+	// holds the key's session lock, so its own try succeeds.
+	claimSQL, args := s.lockedClaimSQL, append(s.claimArgs(p.ClaimParams, period), s.lockKey(k))
+	switch {
 	case s.tryLock():
-		// The key's lock, tried: it is the locked form's lock too, and a count-first
-		// delivery already holds it (session level), so its try succeeds.
-		claimSQL, args = s.tryClaimSQL, append(args, s.lockKey(k))
-	case locked && lt > 0:
-		claimSQL, args = s.lockedClaimLTSQL, append(args, s.lockKey(k), millis(lt))
-	case locked:
-		claimSQL, args = s.lockedClaimSQL, append(args, s.lockKey(k))
+		claimSQL = s.tryClaimSQL
 	case lt > 0:
-		claimSQL, args = s.claimLTSQL, append(args, millis(lt))
+		claimSQL, args = s.lockedClaimLTSQL, append(args, millis(lt))
 	}
 	b.Queue(claimSQL, args...).Exec(func(ct pgconn.CommandTag) error {
 		res.Claimed = ct.RowsAffected() == 1
