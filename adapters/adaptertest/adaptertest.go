@@ -290,22 +290,43 @@ func concurrentDuplicate(t *testing.T, h Harness) {
 	}
 }
 
-func poisonToDeadLetter(t *testing.T, h Harness) {
-	f := newFixture(t, h)
-	dlTopic := f.topic + "_dead"
-	dl, err := f.broker.Subscriber.Subscribe(context.Background(), dlTopic) // declares it first
+// deadLetters is what the test process received on a dead-letter topic.
+type deadLetters struct {
+	n     atomic.Int64
+	first atomic.Value // *message.Message: the first dead letter
+}
+
+// subscribeDeadLetters subscribes the test process to the fixture's dead-letter topic (which
+// declares it before any consumer publishes to it) and acks what arrives, keeping a count and
+// the first message. It returns the topic.
+func (f *fixture) subscribeDeadLetters() (string, *deadLetters) {
+	f.t.Helper()
+	topic := f.topic + "_dead"
+	dl, err := f.broker.Subscriber.Subscribe(context.Background(), topic)
 	if err != nil {
-		t.Fatal(err)
+		f.t.Fatal(err)
 	}
-	var dead atomic.Int64
-	var reason atomic.Value
+	d := &deadLetters{}
 	go func() {
 		for m := range dl {
-			dead.Add(1)
-			reason.Store(m.Metadata.Get("reason_poisoned"))
+			if d.n.Add(1) == 1 {
+				d.first.Store(m)
+			}
 			m.Ack()
 		}
 	}()
+	return topic, d
+}
+
+// firstMsg returns the first dead letter, or nil.
+func (d *deadLetters) firstMsg() *message.Message {
+	m, _ := d.first.Load().(*message.Message)
+	return m
+}
+
+func poisonToDeadLetter(t *testing.T, h Harness) {
+	f := newFixture(t, h)
+	dlTopic, dead := f.subscribeDeadLetters()
 	ib := f.inbox(func(c *inbox.Config) {
 		c.DeadLetterPublisher = f.broker.Publisher
 		c.DeadLetterTopic = dlTopic
@@ -314,9 +335,9 @@ func poisonToDeadLetter(t *testing.T, h Harness) {
 	f.publish(paymentMsg("pay-poison", 3, 7, true), paymentMsg("pay-ok", 3, 1, false))
 	r := consumer(t, f.sch.Pool, f.broker, f.topic, ib, 1, "", 0)
 	defer r.Close()
-	f.waitFor("the dead letter", func() bool { return dead.Load() >= 1 && ib.Stats().Processed >= 1 })
+	f.waitFor("the dead letter", func() bool { return dead.n.Load() >= 1 && ib.Stats().Processed >= 1 })
 	time.Sleep(300 * time.Millisecond) // a second dead letter would arrive by now
-	if n := dead.Load(); n != 1 {
+	if n := dead.n.Load(); n != 1 {
 		t.Fatalf("%d dead letters, want 1", n)
 	}
 	if runs := f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-poison'"); runs != 3 {
@@ -325,7 +346,7 @@ func poisonToDeadLetter(t *testing.T, h Harness) {
 	if b := f.count("SELECT balance FROM accounts WHERE id = 3"); b != 1 {
 		t.Fatalf("balance %d, want 1 (only the healthy payment)", b)
 	}
-	if r, _ := reason.Load().(string); r == "" {
+	if dead.firstMsg().Metadata.Get("reason_poisoned") == "" {
 		t.Fatal("dead letter without reason_poisoned")
 	}
 }
@@ -395,26 +416,11 @@ func RunPoisonCrashLoop(t *testing.T, h Harness) {
 	}
 	const maxAttempts = 2
 	f := newFixture(t, h)
-	dlTopic := f.topic + "_dead"
-	dl, err := f.broker.Subscriber.Subscribe(context.Background(), dlTopic) // declares it first
-	if err != nil {
-		t.Fatal(err)
-	}
-	var dead atomic.Int64
-	var deadUUID, deadPayload atomic.Value
-	go func() {
-		for m := range dl {
-			if dead.Add(1) == 1 {
-				deadUUID.Store(m.UUID)
-				deadPayload.Store(string(m.Payload))
-			}
-			m.Ack()
-		}
-	}()
+	dlTopic, dead := f.subscribeDeadLetters()
 	poison := paymentMsg("pay-crasher", 2, 5, false)
 	f.publish(poison, paymentMsg("pay-fine", 2, 1, false))
 	env := []string{envCrashIn + "=pay-crasher", envDeadLetters + "=" + dlTopic, envMaxAttempts + "=" + strconv.Itoa(maxAttempts)}
-	for n := 1; dead.Load() == 0; n++ {
+	for n := 1; dead.n.Load() == 0; n++ {
 		if n > maxAttempts+2 {
 			t.Fatalf("%d children died and no dead letter came (handler runs %d): the redelivery signal let a crash go uncounted",
 				n-1, f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-crasher'"))
@@ -428,7 +434,7 @@ func RunPoisonCrashLoop(t *testing.T, h Harness) {
 				}
 				break
 			}
-			if dead.Load() > 0 {
+			if dead.n.Load() > 0 {
 				break // this child dead-lettered the message and lives on
 			}
 			if time.Now().After(deadline) {
@@ -443,12 +449,12 @@ func RunPoisonCrashLoop(t *testing.T, h Harness) {
 	time.Sleep(300 * time.Millisecond) // a second dead letter would arrive by now
 	runs := f.count("SELECT count(*) FROM handler_runs WHERE message_id = 'pay-crasher'")
 	switch {
-	case dead.Load() != 1:
-		t.Fatalf("%d dead letters, want 1", dead.Load())
+	case dead.n.Load() != 1:
+		t.Fatalf("%d dead letters, want 1", dead.n.Load())
 	case runs < maxAttempts || runs > maxAttempts+1:
 		t.Fatalf("the crashing handler ran %d times, want %d or %d (MaxAttempts, one more when the broker signalled the first delivery)", runs, maxAttempts, maxAttempts+1)
-	case deadUUID.Load() != poison.UUID || deadPayload.Load() != string(poison.Payload):
-		t.Fatalf("dead letter %v %v, want the original %s %s", deadUUID.Load(), deadPayload.Load(), poison.UUID, poison.Payload)
+	case dead.firstMsg().UUID != poison.UUID || string(dead.firstMsg().Payload) != string(poison.Payload):
+		t.Fatalf("dead letter %s %s, want the original %s %s", dead.firstMsg().UUID, dead.firstMsg().Payload, poison.UUID, poison.Payload)
 	}
 	if n := f.count("SELECT count(*) FROM inbox_processed_messages WHERE message_id = 'pay-crasher'"); n != 0 {
 		t.Fatalf("the crashing message's claim committed (%d rows)", n)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -62,19 +63,8 @@ func TestClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
 		}
 		done <- result{r, err}
 	}()
-	// While the second claim waits, the pool's other connection is mostly free: acquire it
-	// repeatedly with a short deadline.
-	free := 0
-	for range 20 {
-		actx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-		c, err := sch.Pool.Acquire(actx)
-		cancel()
-		if err == nil {
-			free++
-			c.Release()
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	// While the second claim waits, the pool's other connection is mostly free.
+	free := freeConnectionProbes(sch.Pool)
 	if free < 10 {
 		t.Fatalf("the waiting claim held its connection: the pool's second connection was free %d times of 20", free)
 	}
@@ -252,16 +242,7 @@ func TestTriedClaimNeverHoldsItsConnectionBehindAKeyInFlight(t *testing.T) {
 						}
 						done <- err
 					}()
-					free := 0
-					for range 20 {
-						actx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-						if c, err := sch.Pool.Acquire(actx); err == nil {
-							free++
-							c.Release()
-						}
-						cancel()
-						time.Sleep(10 * time.Millisecond)
-					}
+					free := freeConnectionProbes(sch.Pool)
 					err = <-done
 					if free < 10 {
 						t.Errorf("the waiting claim held its connection: the pool's second connection was free %d times of 20", free)
@@ -277,4 +258,21 @@ func TestTriedClaimNeverHoldsItsConnectionBehindAKeyInFlight(t *testing.T) {
 			}
 		}
 	}
+}
+
+// freeConnectionProbes acquires a connection of pool 20 times, each with a 50 ms deadline and
+// released at once, 10 ms apart, and returns how many succeeded: while a claim waits without
+// its connection (the in-process wait), the pool's other connection is free most of the time.
+func freeConnectionProbes(pool *pgxpool.Pool) int {
+	free := 0
+	for range 20 {
+		actx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		if c, err := pool.Acquire(actx); err == nil {
+			free++
+			c.Release()
+		}
+		cancel()
+		time.Sleep(10 * time.Millisecond)
+	}
+	return free
 }

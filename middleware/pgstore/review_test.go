@@ -191,17 +191,7 @@ func testBatchBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, claimLockTi
 		}
 		done <- result{r, err}
 	}()
-	free := 0
-	for range 20 {
-		actx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-		c, err := sch.Pool.Acquire(actx)
-		cancel()
-		if err == nil {
-			free++
-			c.Release()
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	free := freeConnectionProbes(sch.Pool)
 	select {
 	case r := <-done:
 		t.Fatalf("the batch claim returned while a key was in flight: %v %+v; want it to wait", r.err, r.res)
