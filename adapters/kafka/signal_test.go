@@ -280,35 +280,7 @@ func TestFirstDeliverySignalAcrossRebalance(t *testing.T) {
 	// Collect deliveries from both until each held record came back once, then publish new
 	// records (the new sessions have read their high watermarks: they delivered a record of
 	// each partition... or of the partitions they own) and collect those too.
-	type got struct {
-		consumer string
-		m        *message.Message
-	}
-	all := make(chan got)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for name, ch := range map[string]<-chan *message.Message{"A": msgsA, "B": msgsB} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case m, ok := <-ch:
-					if !ok {
-						return
-					}
-					select {
-					case all <- got{name, m}:
-					case <-stop:
-						return
-					}
-				case <-stop:
-					return
-				}
-			}
-		}()
-	}
-	defer func() { close(stop); wg.Wait() }()
+	all := mergeDeliveries(t, map[string]<-chan *message.Message{"A": msgsA, "B": msgsB}, nil)
 
 	back := map[string]bool{}
 	fresh := map[string]bool{}
@@ -414,38 +386,12 @@ func TestFirstDeliverySignalZombie(t *testing.T) {
 	})
 
 	msgsB, _ := signalSub(t, cluster.Addrs(), group, topic, nil)
-	type got struct {
-		consumer string
-		m        *message.Message
-		signal   inbox.Redelivery
-	}
-	all := make(chan got)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for name, ch := range map[string]<-chan *message.Message{"A": msgsA, "B": msgsB} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case m, ok := <-ch:
-					if !ok {
-						return
-					}
-					s := kafka.Redelivery(m)
-					m.Ack()
-					select {
-					case all <- got{name, m, s}:
-					case <-stop:
-						return
-					}
-				case <-stop:
-					return
-				}
-			}
-		}()
-	}
-	defer func() { close(stop); wg.Wait() }()
+	// Each record's signal is read, and the record acked, as it arrives.
+	all := mergeDeliveries(t, map[string]<-chan *message.Message{"A": msgsA, "B": msgsB}, func(m *message.Message) inbox.Redelivery {
+		s := kafka.Redelivery(m)
+		m.Ack()
+		return s
+	})
 
 	// collect records deliveries of the records named prefix<partition> until done says so,
 	// or fails t after limit.
@@ -599,4 +545,45 @@ func TestInboxCountsKafkaRedeliveryFirst(t *testing.T) {
 	if end := kafkatest.EndOffsets(t, cluster.Addrs(), dlTopic); end[0] != 1 {
 		t.Errorf("dead-letter topic holds %d records, want 1", end[0])
 	}
+}
+
+// delivered is a record one of several consumers received (mergeDeliveries).
+type delivered struct {
+	consumer string
+	m        *message.Message
+	signal   inbox.Redelivery // onReceive's result
+}
+
+// mergeDeliveries forwards what each named consumer's channel delivers to one channel, in
+// arrival order, calling onReceive (when not nil) on the consumer's goroutine first. Its
+// goroutines stop when t ends.
+func mergeDeliveries(t *testing.T, chans map[string]<-chan *message.Message, onReceive func(*message.Message) inbox.Redelivery) <-chan delivered {
+	all := make(chan delivered)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for name, ch := range chans {
+		wg.Go(func() {
+			for {
+				select {
+				case m, ok := <-ch:
+					if !ok {
+						return
+					}
+					d := delivered{consumer: name, m: m}
+					if onReceive != nil {
+						d.signal = onReceive(m)
+					}
+					select {
+					case all <- d:
+					case <-stop:
+						return
+					}
+				case <-stop:
+					return
+				}
+			}
+		})
+	}
+	t.Cleanup(func() { close(stop); wg.Wait() })
+	return all
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"database/sql"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/url"
@@ -280,31 +279,8 @@ func TestMigratedCompactRowsPurgeAndHashes(t *testing.T) {
 			if part {
 				cfg.Partitioning = &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}
 			}
-			sch := testenv.NewSchema(t, 2)
-			cfg.Schema = sch.Name
-			s, err := pgstore.New(sch.Pool, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			script, err := s.MigrationSQL()
-			if err != nil {
-				t.Fatal(err)
-			}
-			cut := strings.Index(script, "\n-- 0003_")
-			if cut < 0 {
-				t.Fatal("no migration 0003")
-			}
-			sch.Exec(t, script[:cut]+"\nCOMMIT;")
-			now := time.Now()
-			if part {
-				if _, err := s.EnsurePartitions(ctx, now, now); err != nil {
-					t.Fatal(err)
-				}
-			}
-			var consumer int16
-			if err := sch.Pool.QueryRow(ctx, "INSERT INTO "+s.ConsumersTable()+" (consumer_name) VALUES ('billing') RETURNING consumer_id").Scan(&consumer); err != nil {
-				t.Fatal(err)
-			}
+			v1 := newFirstVersionCompact(t, cfg)
+			s, sch, now := v1.s, v1.sch, v1.now
 			minute := now.Add(-3 * time.Hour).Truncate(time.Minute)
 			offsets := []time.Duration{0, 30 * time.Second, time.Minute - time.Millisecond, time.Minute, time.Minute + 30*time.Second, 2 * time.Minute}
 			type row struct {
@@ -325,11 +301,7 @@ func TestMigratedCompactRowsPurgeAndHashes(t *testing.T) {
 				}
 				r := row{id: uuid7(fmt.Sprintf("v1-%d", i), now), at: minute.Add(off), hash: h}
 				rows = append(rows, r)
-				cols, vals, args := "message_id, consumer_id, payload_hash, received_at", "$1::uuid, $2, $3, $4", []any{r.id, consumer, int32(binary.BigEndian.Uint32(h[:4])), r.at}
-				if part {
-					cols, vals, args = cols+", period", vals+", $5", append(args, pgstore.PeriodOf(now, pgstore.PartitionDaily))
-				}
-				sch.Exec(t, "INSERT INTO "+s.Table()+" ("+cols+") VALUES ("+vals+")", args...)
+				v1.insert(t, r.id, h, "$4", r.at)
 			}
 			if applied, err := s.Migrate(ctx); err != nil || len(applied) != 1 {
 				t.Fatalf("migrate: %v %v", applied, err)

@@ -647,43 +647,15 @@ func TestMigrationCompactRowV2(t *testing.T) {
 		{Layout: pgstore.LayoutCompact},
 		{Layout: pgstore.LayoutCompact, Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}},
 	} {
-		sch := testenv.NewSchema(t, 2)
-		cfg.Schema = sch.Name
-		s, err := pgstore.New(sch.Pool, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		// The first version: the printed script up to migration 0003.
-		script, err := s.MigrationSQL()
-		if err != nil {
-			t.Fatal(err)
-		}
-		cut := strings.Index(script, "\n-- 0003_")
-		if cut < 0 {
-			t.Fatalf("no migration 0003 in the script:\n%s", script)
-		}
-		sch.Exec(t, script[:cut]+"\nCOMMIT;")
-		now := time.Now()
-		if cfg.Partitioning != nil {
-			if _, err := s.EnsurePartitions(ctx, now, now); err != nil {
-				t.Fatal(err)
-			}
-		}
-		var consumer int16
-		if err := sch.Pool.QueryRow(ctx, "INSERT INTO "+s.ConsumersTable()+" (consumer_name) VALUES ('billing') RETURNING consumer_id").Scan(&consumer); err != nil {
-			t.Fatal(err)
-		}
+		v1 := newFirstVersionCompact(t, cfg)
+		s, sch, now := v1.s, v1.sch, v1.now
 		var ids []string
 		hashOf := func(i int) [32]byte { return sha256.Sum256([]byte("payload-" + string(rune('a'+i)))) }
 		for i := range 3 {
 			id := uuid7("v1-"+string(rune('a'+i)), now)
 			ids = append(ids, id)
 			h := hashOf(i)
-			cols, vals, args := "message_id, consumer_id, payload_hash, received_at", "$1::uuid, $2, $3, now() - $4::interval", []any{id, consumer, int32(binary.BigEndian.Uint32(h[:4])), []string{"5 hours", "1 hour", "0 seconds"}[i]}
-			if cfg.Partitioning != nil {
-				cols, vals, args = cols+", period", vals+", $5", append(args, pgstore.PeriodOf(now, pgstore.PartitionDaily))
-			}
-			sch.Exec(t, "INSERT INTO "+s.Table()+" ("+cols+") VALUES ("+vals+")", args...)
+			v1.insert(t, id, h, "now() - $4::interval", []string{"5 hours", "1 hour", "0 seconds"}[i])
 		}
 		applied, err := s.Migrate(ctx)
 		if err != nil || len(applied) != 1 || applied[0] != 3 {
@@ -738,4 +710,56 @@ func TestMigrationCompactRowV2(t *testing.T) {
 			t.Fatalf("second Migrate: %v, %v", again, err)
 		}
 	}
+}
+
+// firstVersionCompact is a compact table (cfg: plain or partitioned) as it was before
+// migration 0003 (received_at timestamptz, a 4-byte hash prefix), created by the printed
+// migration script up to 0003, with today's partition and the consumer "billing" registered.
+type firstVersionCompact struct {
+	s        *pgstore.Store
+	sch      *testenv.Schema
+	consumer int16
+	now      time.Time
+}
+
+func newFirstVersionCompact(t *testing.T, cfg pgstore.Config) firstVersionCompact {
+	t.Helper()
+	ctx := context.Background()
+	sch := testenv.NewSchema(t, 2)
+	cfg.Schema = sch.Name
+	s, err := pgstore.New(sch.Pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	script, err := s.MigrationSQL()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cut := strings.Index(script, "\n-- 0003_")
+	if cut < 0 {
+		t.Fatalf("no migration 0003 in the script:\n%s", script)
+	}
+	sch.Exec(t, script[:cut]+"\nCOMMIT;")
+	v := firstVersionCompact{s: s, sch: sch, now: time.Now()}
+	if cfg.Partitioning != nil {
+		if _, err := s.EnsurePartitions(ctx, v.now, v.now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := sch.Pool.QueryRow(ctx, "INSERT INTO "+s.ConsumersTable()+" (consumer_name) VALUES ('billing') RETURNING consumer_id").Scan(&v.consumer); err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// insert adds a first-version row of message id with hash's 4-byte prefix, received at the SQL
+// expression received over $4 = at (in today's partition when partitioned).
+func (v firstVersionCompact) insert(t *testing.T, id string, hash [32]byte, received string, at any) {
+	t.Helper()
+	cols, vals := "message_id, consumer_id, payload_hash, received_at", "$1::uuid, $2, $3, "+received
+	args := []any{id, v.consumer, int32(binary.BigEndian.Uint32(hash[:4])), at}
+	if v.s.Partitioned() {
+		cols, vals, args = cols+", period", vals+", $5", append(args, pgstore.PeriodOf(v.now, pgstore.PartitionDaily))
+	}
+	v.sch.Exec(t, "INSERT INTO "+v.s.Table()+" ("+cols+") VALUES ("+vals+")", args...)
 }
