@@ -2,6 +2,8 @@ package inbox_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -13,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -29,7 +32,13 @@ type bareTxKey struct{}
 // that signal (every delivery counted durably before its handler), ratio-nolocktimeout for the
 // plain inbox with pgstore's ClaimLockTimeout negative (no protection against a flood of one
 // key: its claim waits on the server for the key's advisory lock, where the default only tries
-// it). All run in the same
+// it). ratio-ceiling is the same bare transaction with the inbox's own statements added by
+// hand and no middleware: BEGIN and the default claim (INSERT ... SELECT ... WHERE
+// pg_try_advisory_xact_lock(...) ON CONFLICT DO NOTHING) pipelined in one round trip, as
+// pgstore sends them, then the handler's UPDATE, then COMMIT; ratio-ceiling-dlq adds the
+// attempt-record read that the dead-letter path sends in the same round trip. These two are
+// the most any middleware issuing those statements through pgx could reach; inbox/ceiling is
+// what the middleware itself costs. All run in the same
 // benchmark iteration, interleaved in chunks whose order rotates (every mode runs once in
 // every position), so their ratios are measured under the same machine load. Each delivery is
 // acked before its publisher sends the next message
@@ -102,6 +111,63 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		}
 	}
 
+	// ceiling runs h in a bare transaction that also sends the inbox's claim (and, with
+	// record, the attempt-record read) pipelined with BEGIN, as pgstore does, with no
+	// middleware: the statements' own cost. The claim is the text layout's default form.
+	claimSQL := "INSERT INTO " + store.Table() + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
+		" SELECT $1, $2, $3, $4, $5 WHERE pg_try_advisory_xact_lock(hashtextextended($6, 0))" +
+		" ON CONFLICT (message_id, consumer_name) DO NOTHING"
+	recordSQL := "SELECT attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + store.AttemptsTable() +
+		" WHERE message_id = $1 AND consumer_name = $2"
+	ceiling := func(record bool) func(*message.Message) error {
+		consumer := "bench-ceiling"
+		if record {
+			consumer = "bench-ceiling-dlq"
+		}
+		return func(msg *message.Message) error {
+			hash := sha256.Sum256(msg.Payload)
+			batch := &pgx.Batch{}
+			batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+			claimed := false
+			batch.Queue(claimSQL, msg.UUID, consumer, nil, nil, hash[:], store.Table()+"\x1f"+consumer+"\x1f"+msg.UUID).
+				Exec(func(ct pgconn.CommandTag) error { claimed = ct.RowsAffected() == 1; return nil })
+			if record {
+				batch.Queue(recordSQL, msg.UUID, consumer).QueryRow(func(row pgx.Row) error {
+					var attempts int32
+					var lastError, reason *string
+					var dead bool
+					if err := row.Scan(&attempts, &lastError, &dead, &reason); !errors.Is(err, pgx.ErrNoRows) {
+						return err
+					}
+					return nil
+				})
+			}
+			conn, err := sch.Pool.Acquire(msg.Context())
+			if err != nil {
+				return err
+			}
+			defer conn.Release()
+			br := conn.Conn().SendBatch(msg.Context(), batch)
+			tx := br.Tx()
+			if err := br.Close(); err != nil {
+				return err
+			}
+			if !claimed {
+				return fmt.Errorf("ceiling: message %s not claimed", msg.UUID)
+			}
+			orig := msg.Context()
+			msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
+			err = handler(msg)
+			msg.SetContext(orig)
+			if err != nil {
+				_ = tx.Rollback(context.WithoutCancel(orig))
+				return err
+			}
+			return tx.Commit(context.WithoutCancel(orig))
+		}
+	}
+	ceilingPlain, ceilingDLQ := ceiling(false), ceiling(true)
+
 	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	if err != nil {
@@ -124,6 +190,8 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			_, err := noLT.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
 		})
+		router.AddConsumerHandler(fmt.Sprintf("ceiling-%d", i), fmt.Sprintf("ceiling-%d", i), pubsub, ceilingPlain)
+		router.AddConsumerHandler(fmt.Sprintf("ceilingdlq-%d", i), fmt.Sprintf("ceilingdlq-%d", i), pubsub, ceilingDLQ)
 		router.AddConsumerHandler(fmt.Sprintf("counted-%d", i), fmt.Sprintf("counted-%d", i), pubsub, func(m *message.Message) error {
 			_, err := counted.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
@@ -160,9 +228,11 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	run("dlq", 2*slots)
 	run("counted", 2*slots)
 	run("nolt", 2*slots)
+	run("ceiling", 2*slots)
+	run("ceilingdlq", 2*slots)
 
 	b.ResetTimer()
-	var bareT, inboxT, dlqT, countedT, noLTT time.Duration
+	var bareT, inboxT, dlqT, countedT, noLTT, ceilT, ceilDLQT time.Duration
 	// Interleave in chunks so every mode sees the same machine conditions, and rotate the
 	// order, one chunk per mode, so every mode runs once in every position: a mode's rate
 	// depends on the mode that ran just before it (measured: the mode right after bare ran
@@ -170,7 +240,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	modes := []struct {
 		prefix string
 		took   *time.Duration
-	}{{"bare", &bareT}, {"inbox", &inboxT}, {"dlq", &dlqT}, {"counted", &countedT}, {"nolt", &noLTT}}
+	}{{"bare", &bareT}, {"inbox", &inboxT}, {"dlq", &dlqT}, {"counted", &countedT}, {"nolt", &noLTT}, {"ceiling", &ceilT}, {"ceilingdlq", &ceilDLQT}}
 	chunks := len(modes)
 	for c := range chunks {
 		n := b.N / chunks
@@ -191,6 +261,8 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	b.ReportMetric(float64(b.N)/dlqT.Seconds()/bareRate, "ratio-dlq")
 	b.ReportMetric(float64(b.N)/countedT.Seconds()/bareRate, "ratio-dlq-nosignal")
 	b.ReportMetric(float64(b.N)/noLTT.Seconds()/bareRate, "ratio-nolocktimeout")
+	b.ReportMetric(float64(b.N)/ceilT.Seconds()/bareRate, "ratio-ceiling")
+	b.ReportMetric(float64(b.N)/ceilDLQT.Seconds()/bareRate, "ratio-ceiling-dlq")
 	b.ReportMetric(0, "ns/op")
 	if got := ib.Stats().Processed; got < uint64(b.N) {
 		b.Fatalf("inbox processed %d of %d messages", got, b.N)
