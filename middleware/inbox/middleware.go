@@ -146,6 +146,7 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		return i.batchMiddleware(h)
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
+		reserveStack(len(msg.UUID))
 		d := i.newDelivery(msg)
 		i.startDelivery(d)
 		f, panicked, p := i.deliverRecovering(d, h)
