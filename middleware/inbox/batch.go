@@ -155,6 +155,7 @@ type memberRun struct {
 // batchMiddleware is Middleware in the batched mode.
 func (i *Inbox) batchMiddleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		reserveStack(len(msg.UUID))
 		d := i.newDelivery(msg)
 		i.startDelivery(d)
 		if d.keyErr != nil || d.braked {
@@ -312,6 +313,7 @@ func again(m *member) {
 // gives each claimed member its turn to run its handler, commits, and settles each member;
 // transient conflicts (40001, 40P01) retry the whole batch.
 func (i *Inbox) runBatch(bt *batch) {
+	reserveStack(len(bt.members))
 	ms := bt.members
 
 	if len(ms) == 1 {
