@@ -53,6 +53,15 @@ func TestGuarantees(t *testing.T) {
 	t.Logf("took %s", time.Since(start).Round(time.Millisecond))
 }
 
+// TestPoisonCrashLoop: a message whose handler kills its consumer every time is dead-lettered
+// after at most MaxAttempts + 1 runs, each child SIGKILLed inside the handler and the group's
+// uncommitted offset bringing the message to the next child (adaptertest.RunPoisonCrashLoop),
+// on an in-process kfake cluster.
+func TestPoisonCrashLoop(t *testing.T) {
+	cluster := kafkatest.NewCluster(t)
+	adaptertest.RunPoisonCrashLoop(t, matrixHarness(cluster.Addrs()))
+}
+
 // BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figure, on kfake
 // (go test ./adapters/kafka -run '^$' -bench RecoveryAfterSIGKILL).
 func BenchmarkRecoveryAfterSIGKILL(b *testing.B) {

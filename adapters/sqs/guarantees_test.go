@@ -161,3 +161,8 @@ func queueVisibility(t *testing.T, queue string) string {
 // BenchmarkInboxVsBare: go test ./adapters/sqs -run '^$' -bench . -benchtime 500x (on goaws,
 // an emulator: the figures say how much the inbox adds, not how fast SQS is).
 func BenchmarkInboxVsBare(b *testing.B) { adaptertest.Benchmark(b, harness(), 4) }
+
+// TestPoisonCrashLoop: a message whose handler kills its consumer every time is dead-lettered
+// after at most MaxAttempts + 1 runs, each child SIGKILLed inside the handler and SQS's
+// visibility timeout bringing the message to the next (adaptertest.RunPoisonCrashLoop).
+func TestPoisonCrashLoop(t *testing.T) { adaptertest.RunPoisonCrashLoop(t, harness()) }

@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"golang.org/x/sync/semaphore"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 )
@@ -50,6 +51,10 @@ type Stats struct {
 	// InvalidKeyBrakes counts deliveries nacked by the InvalidKeyBrake (also in Failed and
 	// InvalidKeys).
 	InvalidKeyBrakes uint64
+	// Isolated counts deliveries that ran their handler alone among this Inbox's deliveries,
+	// because their key had attempts that ended unsettled (crash isolation, docs/design.md;
+	// only with a dead-letter topic, in the immediate mode).
+	Isolated uint64
 }
 
 // Inbox is the transactional inbox middleware for one consumer. It is safe for concurrent use
@@ -60,8 +65,11 @@ type Inbox struct {
 	logger   watermill.LoggerAdapter
 	keys     keyWindow // recent key validity, for the InvalidKeyBrake
 	batcher  *batcher  // set in the batched mode (Config.Batch)
+	// gate is the crash-isolation gate (isolation.go): set with attempt counting in the
+	// immediate mode.
+	gate *semaphore.Weighted
 
-	invalidKeyBrakes atomic.Uint64
+	invalidKeyBrakes, isolated atomic.Uint64
 
 	processed, duplicates, failed, invalidKeys, txRetries atomic.Uint64
 	deadLettered, deadLetteredSkips, collisions           atomic.Uint64
@@ -87,6 +95,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	if cfg.Batch.Size > 1 {
 		i.batcher = &batcher{store: cfg.Store.(BatchStore)} // checked by Validate
 	}
+	if i.attempts != nil && i.batcher == nil {
+		i.gate = newGate()
+	}
 	return i, nil
 }
 
@@ -98,6 +109,7 @@ func (i *Inbox) Stats() Stats {
 		Failed:      i.failed.Load(),
 		InvalidKeys: i.invalidKeys.Load(),
 		TxRetries:   i.txRetries.Load(),
+		Isolated:    i.isolated.Load(),
 
 		DeadLettered:      i.deadLettered.Load(),
 		DeadLetteredSkips: i.deadLetteredSkips.Load(),
@@ -149,7 +161,7 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		reserveStack(len(msg.UUID))
 		d := i.newDelivery(msg)
 		i.startDelivery(d)
-		f, panicked, p := i.deliverRecovering(d, h)
+		f, panicked, p := i.deliverGated(d, h)
 		if !panicked {
 			return nil, i.settle(d, f)
 		}
@@ -163,6 +175,19 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		i.logger.Error("Handler panicked; message dead-lettered", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
 		return nil, err
 	}
+}
+
+// deliverGated is deliverRecovering inside the crash-isolation gate (isolation.go): d holds
+// a share of it, or all of it while it runs alone, until its transactions end, whether the
+// handler returns, panics or exits the goroutine.
+func (i *Inbox) deliverGated(d *delivery, h message.HandlerFunc) (f *failure, panicked bool, p any) {
+	if d.keyErr == nil && !d.braked {
+		if !i.enterGate(d) {
+			return &failure{kind: failAbandoned, err: fmt.Errorf("inbox: waiting for a delivery running alone: %w", d.ctx.Err())}, false, nil
+		}
+		defer i.leaveGate(d)
+	}
+	return i.deliverRecovering(d, h)
 }
 
 // deliverRecovering is deliver with the handler's panic caught: only the delivery's own code
@@ -194,10 +219,14 @@ type delivery struct {
 	keyErr     error // the key is invalid (params.Key is empty)
 	braked     bool  // invalid, during an invalid-key flood (InvalidKeyBrake)
 	countFirst bool  // count durably before the first claim (a possible redelivery)
-	counted    bool  // this delivery's count is in the store
-	attempts   int   // the attempt count after the last recorded change, when counted
-	res        Result
-	traceEnd   func(Result) // Config.Tracer's end of the delivery, until called
+	// gate is what the delivery holds of the crash-isolation gate; isolationTried is set
+	// once it asked to run alone (isolation.go).
+	gate           gateHold
+	isolationTried bool
+	counted        bool // this delivery's count is in the store
+	attempts       int  // the attempt count after the last recorded change, when counted
+	res            Result
+	traceEnd       func(Result) // Config.Tracer's end of the delivery, until called
 	// payloadHash backs params.PayloadHash (SHA-256 of the payload as received).
 	payloadHash [sha256.Size]byte
 }
@@ -274,6 +303,9 @@ const (
 	// failAbandoned: the delivery's own consumer is shutting down (its context was
 	// cancelled): not the message's failure.
 	failAbandoned
+	// failIsolate: the key has attempts that ended unsettled; the claim and this delivery's
+	// count were taken back so that it runs again, alone (isolation.go). Never settled.
+	failIsolate
 )
 
 // failure is a transaction that did not settle the delivery; nil means settled (d.res).
@@ -302,6 +334,13 @@ func (i *Inbox) deliver(d *delivery, h message.HandlerFunc) *failure {
 	backoff := i.cfg.TxRetryBackoff
 	for retry := 0; ; retry++ {
 		f := i.try(d, h)
+		if f != nil && f.kind == failIsolate {
+			if !i.isolate(d) {
+				return &failure{kind: failAbandoned, err: fmt.Errorf("inbox: waiting to run alone: %w", d.ctx.Err())}
+			}
+			retry-- // not a conflict: no retry used
+			continue
+		}
 		if f == nil || f.kind != failRetryable || retry >= i.cfg.MaxTxRetries {
 			return f
 		}
@@ -373,7 +412,8 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	d.attempts = rec.Attempts
 	// Deliveries before this one that ran the handler without settling (this one's own
 	// count excluded).
-	if earlier := rec.Attempts - b2i(d.counted); counted != nil && earlier >= i.cfg.MaxAttempts {
+	earlier := rec.Attempts - b2i(d.counted)
+	if counted != nil && earlier >= i.cfg.MaxAttempts {
 		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
 		if err != nil {
 			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim of an exhausted message: %w", err)}
@@ -381,6 +421,17 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		d.counted, d.attempts = false, n
 		d.res.Reason = exhaustedReason(earlier, i.cfg.MaxAttempts, rec.LastError)
 		return &failure{kind: failMessage, err: Permanent(errors.New(d.res.Reason)), attempts: n}
+	}
+	if counted != nil && i.suspect(d, earlier, rec) {
+		// Earlier attempts ended unsettled (crashes): run again alone, so a crash is charged
+		// to this message only if it happens while this message runs alone. Nothing of this
+		// try is kept: its claim and its count are taken back.
+		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
+		if err != nil {
+			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim to run alone: %w", err)}
+		}
+		d.counted, d.attempts = false, n
+		return &failure{kind: failIsolate}
 	}
 
 	settled := false
