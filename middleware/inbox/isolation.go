@@ -81,6 +81,7 @@ func (i *Inbox) isolate(d *delivery) bool {
 	cancel()
 	if err == nil {
 		d.gate = gateExclusive
+		d.res.Isolated = true
 		i.isolated.Add(1)
 		return true
 	}

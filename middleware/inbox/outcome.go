@@ -77,6 +77,10 @@ type Result struct {
 	Attempts int
 	// TxRetries is the number of in-process transaction retries after transient conflicts.
 	TxRetries int
+	// Isolated reports that the delivery ran its handler alone among its Inbox's deliveries
+	// in the process, because its key had attempts that ended unsettled (crash isolation,
+	// docs/design.md; Stats.Isolated counts them).
+	Isolated bool
 	// Err is the error returned to the router (nil when acked), or, for a dead letter, the
 	// cause that dead-lettered it.
 	Err error

@@ -39,6 +39,7 @@ type Metrics struct {
 	collisions  *prometheus.CounterVec
 	txRetries   *prometheus.CounterVec
 	keyBrakes   *prometheus.CounterVec
+	isolated    *prometheus.CounterVec
 	claim       *prometheus.HistogramVec
 	handler     *prometheus.HistogramVec
 	commit      *prometheus.HistogramVec
@@ -77,6 +78,8 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 			"In-process retries of the inbox transaction after SQLSTATE 40001 or 40P01.", "consumer", "topic"),
 		keyBrakes: counter("invalid_key_brakes_total",
 			"Deliveries nacked by the invalid-key brake during an invalid-key flood (also in invalid_keys_total).", "consumer", "topic"),
+		isolated: counter("isolated_deliveries_total",
+			"Deliveries that ran their handler alone among their inbox's deliveries in the process, because their key had attempts that ended unsettled (crash isolation).", "consumer", "topic"),
 		claim: histogram("claim_duration_seconds",
 			"Time to claim the message: connection, attempt count, BEGIN and the claim insert, including the wait behind a concurrent copy.", "consumer", "topic"),
 		handler: histogram("handler_duration_seconds",
@@ -90,7 +93,7 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 		relayErrors: counter("outbox_relay_publish_errors_total",
 			"Failed publishes of the outbox relay (the message is published again later).", "topic"),
 	}
-	for _, c := range []prometheus.Collector{m.deliveries, m.invalidKeys, m.collisions, m.txRetries, m.keyBrakes,
+	for _, c := range []prometheus.Collector{m.deliveries, m.invalidKeys, m.collisions, m.txRetries, m.keyBrakes, m.isolated,
 		m.claim, m.handler, m.commit, m.relayed, m.relayLag, m.relayErrors} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("inboxmetrics: register: %w", err)
@@ -101,7 +104,7 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 
 // Observer returns the inbox.Observer for the inbox of consumer (its Config.ConsumerName; set
 // it as that inbox's Config.Observer). Per delivery it counts the outcome, an invalid key, a
-// key collision, an invalid-key brake and the transaction retries, and observes the claim,
+// key collision, an invalid-key brake, the transaction retries and a crash-isolated run, and observes the claim,
 // handler and commit durations of the delivery's last transaction (phases that did not run
 // are not observed). The topic label is the subscribed topic from the message context
 // (message.SubscribeTopicFromCtx; "" outside a Watermill router).
@@ -129,6 +132,9 @@ func (o observer) ObserveDelivery(ctx context.Context, r inbox.Result) {
 	}
 	if r.TxRetries > 0 {
 		m.txRetries.WithLabelValues(o.consumer, topic).Add(float64(r.TxRetries))
+	}
+	if r.Isolated {
+		m.isolated.WithLabelValues(o.consumer, topic).Inc()
 	}
 	if r.Claim > 0 {
 		m.claim.WithLabelValues(o.consumer, topic).Observe(r.Claim.Seconds())
