@@ -97,6 +97,19 @@ func (e *env) attemptRows() int {
 	return e.count("SELECT count(*) FROM inbox_processed_messages_attempts")
 }
 
+// settled checks the business state once every delivery has settled: account's balance,
+// no dead letter published, no attempt row left.
+func (e *env) settled(dl *deadLetters, account int, balance int64) {
+	e.t.Helper()
+	if b := e.balance(account); b != balance {
+		e.t.Fatalf("balance %d, want %d", b, balance)
+	}
+	dl.wait(e.t, 0)
+	if r := e.attemptRows(); r != 0 {
+		e.t.Fatalf("%d attempt rows left", r)
+	}
+}
+
 // --- Kind 1: the message the inbox works on is the message it received ---
 
 // TestHandlerChangingTheMessageUnderRetry: a handler that rewrites the message's UUID, its
@@ -375,13 +388,7 @@ func TestShutdownIsNotAnAttempt(t *testing.T) {
 			if err := deliver(h, m); err != nil {
 				t.Fatalf("delivery after the restarts: %v", err)
 			}
-			if b := e.balance(5); b != 7 {
-				t.Fatalf("balance %d, want 7", b)
-			}
-			dl.wait(t, 0)
-			if r := e.attemptRows(); r != 0 {
-				t.Fatalf("%d attempt rows left", r)
-			}
+			e.settled(dl, 5, 7)
 		})
 	}
 }

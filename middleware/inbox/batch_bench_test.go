@@ -78,15 +78,7 @@ func benchBatched(b *testing.B, slots, size int) {
 		if err != nil {
 			return err
 		}
-		orig := msg.Context()
-		msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
-		err = handler(msg)
-		msg.SetContext(orig)
-		if err != nil {
-			_ = tx.Rollback(context.WithoutCancel(orig))
-			return err
-		}
-		return tx.Commit(context.WithoutCancel(orig))
+		return inTx(msg, tx, handler)
 	}
 
 	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})

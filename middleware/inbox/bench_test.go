@@ -24,6 +24,20 @@ import (
 
 type bareTxKey struct{}
 
+// inTx runs handler on msg with tx in its context (bareTxKey), then commits it, or rolls it
+// back on the handler's error: the end of the benchmarks' transactions without an inbox.
+func inTx(msg *message.Message, tx pgx.Tx, handler func(*message.Message) error) error {
+	orig := msg.Context()
+	msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
+	err := handler(msg)
+	msg.SetContext(orig)
+	if err != nil {
+		_ = tx.Rollback(context.WithoutCancel(orig))
+		return err
+	}
+	return tx.Commit(context.WithoutCancel(orig))
+}
+
 // BenchmarkInboxVsBareTx measures messages per second through a Watermill router on GoChannel
 // with the inbox middleware, against the same handler in a bare transaction (BEGIN, the
 // handler's UPDATE, COMMIT; no claim), at 1, 8 and 32 concurrent deliveries. ratio is
@@ -99,15 +113,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			if err != nil {
 				return nil, err
 			}
-			orig := msg.Context()
-			msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
-			out, err := h(msg)
-			msg.SetContext(orig)
-			if err != nil {
-				_ = tx.Rollback(context.WithoutCancel(orig))
-				return nil, err
-			}
-			return out, tx.Commit(context.WithoutCancel(orig))
+			return nil, inTx(msg, tx, func(m *message.Message) error { _, err := h(m); return err })
 		}
 	}
 
@@ -155,15 +161,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			if !claimed {
 				return fmt.Errorf("ceiling: message %s not claimed", msg.UUID)
 			}
-			orig := msg.Context()
-			msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
-			err = handler(msg)
-			msg.SetContext(orig)
-			if err != nil {
-				_ = tx.Rollback(context.WithoutCancel(orig))
-				return err
-			}
-			return tx.Commit(context.WithoutCancel(orig))
+			return inTx(msg, tx, handler)
 		}
 	}
 	ceilingPlain, ceilingDLQ := ceiling(false), ceiling(true)

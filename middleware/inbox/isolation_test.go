@@ -55,6 +55,21 @@ func (c *crashOverlap) runsOf(id string) int32 {
 	return v.(*atomic.Int32).Load()
 }
 
+// whileSlowRuns delivers slow through h, calls f once slow's handler runs, then waits for
+// slow's delivery, which must succeed.
+func (c *crashOverlap) whileSlowRuns(t *testing.T, h message.HandlerFunc, slow *message.Message, f func()) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- deliver(h, slow) }()
+	for c.inFlight.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	f()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // crashedOnce records what a consumer that died while the key's handler ran leaves behind:
 // one counted attempt and no recorded error.
 func crashedOnce(t *testing.T, e *env, id, consumer string) {
@@ -134,13 +149,7 @@ func TestCrashSuspectRunsAlone(t *testing.T) {
 			if got := isolatedMetric(t, reg); got != 1 {
 				t.Fatalf("watermill_inbox_isolated_deliveries_total = %v, want 1", got)
 			}
-			if b := e.balance(1); b != 7 {
-				t.Fatalf("balance %d, want 7", b)
-			}
-			dl.wait(t, 0)
-			if r := e.attemptRows(); r != 0 {
-				t.Fatalf("%d attempt rows left", r)
-			}
+			e.settled(dl, 1, 7)
 		})
 	}
 }
@@ -174,21 +183,14 @@ func TestCrashIsolationGivesUpAfterClaimTimeout(t *testing.T) {
 	h := ib.Middleware(c.handler)
 	crashedOnce(t, e, "m-suspect", "billing")
 
-	var wg sync.WaitGroup
-	var slowErr error
-	wg.Go(func() { slowErr = deliver(h, paymentMsg("m-slow", 2, 5)) })
-	for c.inFlight.Load() != 1 {
-		time.Sleep(time.Millisecond)
-	}
-	start := time.Now()
-	if err := deliver(h, paymentMsg("m-suspect", 2, 1)); err != nil {
-		t.Fatal(err)
-	}
-	took := time.Since(start)
-	wg.Wait()
-	if slowErr != nil {
-		t.Fatal(slowErr)
-	}
+	var took time.Duration
+	c.whileSlowRuns(t, h, paymentMsg("m-slow", 2, 5), func() {
+		start := time.Now()
+		if err := deliver(h, paymentMsg("m-suspect", 2, 1)); err != nil {
+			t.Fatal(err)
+		}
+		took = time.Since(start)
+	})
 	if took > time.Second {
 		t.Fatalf("the suspect waited %s: it should give up isolation after ClaimTimeout (300ms)", took)
 	}
@@ -198,13 +200,7 @@ func TestCrashIsolationGivesUpAfterClaimTimeout(t *testing.T) {
 	if got := ib.Stats().Isolated; got != 0 {
 		t.Fatalf("Stats().Isolated = %d, want 0", got)
 	}
-	if b := e.balance(2); b != 6 {
-		t.Fatalf("balance %d, want 6", b)
-	}
-	dl.wait(t, 0)
-	if r := e.attemptRows(); r != 0 {
-		t.Fatalf("%d attempt rows left", r)
-	}
+	e.settled(dl, 2, 6)
 }
 
 // TestCrashIsolationOnlyForUnsettledAttempts: a message whose earlier attempt failed with an
@@ -222,29 +218,16 @@ func TestCrashIsolationOnlyForUnsettledAttempts(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	var wg sync.WaitGroup
-	var slowErr error
-	wg.Go(func() { slowErr = deliver(h, paymentMsg("m-slow", 3, 5)) })
-	for c.inFlight.Load() != 1 {
-		time.Sleep(time.Millisecond)
-	}
-	if err := deliver(h, paymentMsg("m-failed-before", 3, 1)); err != nil {
-		t.Fatal(err)
-	}
-	wg.Wait()
-	if slowErr != nil {
-		t.Fatal(slowErr)
-	}
+	c.whileSlowRuns(t, h, paymentMsg("m-slow", 3, 5), func() {
+		if err := deliver(h, paymentMsg("m-failed-before", 3, 1)); err != nil {
+			t.Fatal(err)
+		}
+	})
 	if c.overlaps.Load() == 0 {
 		t.Fatal("the message with a recorded failure waited to run alone")
 	}
 	if got := ib.Stats().Isolated; got != 0 {
 		t.Fatalf("Stats().Isolated = %d, want 0", got)
 	}
-	if b := e.balance(3); b != 6 {
-		t.Fatalf("balance %d, want 6", b)
-	}
-	if r := e.attemptRows(); r != 0 {
-		t.Fatalf("%d attempt rows left", r)
-	}
+	e.settled(dl, 3, 6)
 }
