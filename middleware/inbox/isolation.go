@@ -36,16 +36,28 @@ const (
 // newGate returns the crash-isolation gate.
 func newGate() *semaphore.Weighted { return semaphore.NewWeighted(gateWeight) }
 
-// enterGate takes d's shared hold on the gate, waiting while a suspect runs alone. It reports
-// false when d's context ended first (the consumer is shutting down).
+// enterGate takes d's shared hold on the gate, waiting while a suspect runs alone, at most
+// ClaimTimeout: past that (the suspect's handler waits for this delivery, or runs longer), d
+// goes on without a hold, unisolated (and is no suspect itself), and the wait is logged. It
+// reports false when d's context ended first (the consumer is shutting down).
 func (i *Inbox) enterGate(d *delivery) bool {
 	if i.gate == nil {
 		return true
 	}
-	if err := i.gate.Acquire(d.ctx, 1); err != nil {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(d.ctx, i.cfg.ClaimTimeout)
+	err := i.gate.Acquire(ctx, 1)
+	cancel()
+	if err == nil {
+		d.gate = gateShared
+		return true
+	}
+	if d.ctx.Err() != nil {
 		return false
 	}
-	d.gate = gateShared
+	i.logger.Info("Crash isolation: a delivery running alone kept this one waiting past ClaimTimeout; running it alongside", watermill.LogFields{
+		"message_uuid": safeUUID(d.msg.UUID), "waited": time.Since(start).Round(time.Millisecond).String(),
+	})
 	return true
 }
 
@@ -80,9 +92,7 @@ func (i *Inbox) isolate(d *delivery) bool {
 	err := i.gate.Acquire(ctx, gateWeight)
 	cancel()
 	if err == nil {
-		d.gate = gateExclusive
-		d.res.Isolated = true
-		i.isolated.Add(1)
+		d.gate = gateExclusive // counted in Stats.Isolated when its handler runs (try)
 		return true
 	}
 	if d.ctx.Err() != nil {

@@ -223,6 +223,7 @@ type delivery struct {
 	// once it asked to run alone (isolation.go).
 	gate           gateHold
 	isolationTried bool
+	isolatedRan    bool // counted in Stats.Isolated
 	counted        bool // this delivery's count is in the store
 	attempts       int  // the attempt count after the last recorded change, when counted
 	res            Result
@@ -415,10 +416,13 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	earlier := rec.Attempts - b2i(d.counted)
 	if counted != nil && earlier >= i.cfg.MaxAttempts {
 		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
+		// Fail took the count back even when it reports an error (after the rollback, best
+		// effort): settleFailure must not take it back again.
+		d.counted = false
 		if err != nil {
 			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim of an exhausted message: %w", err)}
 		}
-		d.counted, d.attempts = false, n
+		d.attempts = n
 		d.res.Reason = exhaustedReason(earlier, i.cfg.MaxAttempts, rec.LastError)
 		return &failure{kind: failMessage, err: Permanent(errors.New(d.res.Reason)), attempts: n}
 	}
@@ -427,10 +431,11 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		// to this message only if it happens while this message runs alone. Nothing of this
 		// try is kept: its claim and its count are taken back.
 		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
+		d.counted = false // taken back even when Fail reports an error (see above)
 		if err != nil {
 			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim to run alone: %w", err)}
 		}
-		d.counted, d.attempts = false, n
+		d.attempts = n
 		return &failure{kind: failIsolate}
 	}
 
@@ -469,6 +474,11 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	handlerCtx, endH := i.startPhase(d.ctx, PhaseHandler)
 	endHandler = endH
 	txCtx := tx.Context(handlerCtx)
+	if d.gate == gateExclusive && !d.isolatedRan {
+		d.isolatedRan = true
+		d.res.Isolated = true
+		i.isolated.Add(1)
+	}
 	hstart := time.Now()
 	produced, herr := h(d.handlerMessage(txCtx))
 	if herr == nil && len(produced) > 0 {

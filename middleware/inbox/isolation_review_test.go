@@ -1,0 +1,139 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// TestCrashSuspectWaitingForAnotherDeliveryIsNotStalled: a suspect's handler that waits for
+// another delivery of the same Inbox (an ordering dependency: "shipped" waits until "created"
+// is applied) holds the whole gate while it runs alone, so the delivery it waits for queues at
+// the gate and never runs: a stall bounded by nothing the inbox controls (here the handler's
+// own 5 s patience), where docs/design.md promises ClaimTimeout bounds the waits ("a handler
+// that waits for another delivery of the same Inbox"). Before crash isolation this worked.
+func TestCrashSuspectWaitingForAnotherDeliveryIsNotStalled(t *testing.T) {
+	e := newEnv(t, 6)
+	dl := newDeadLetters(t)
+	ib := e.inbox("billing", withDeadLetters(dl, 3), func(c *inbox.Config) { c.ClaimTimeout = 300 * time.Millisecond })
+	crashedOnce(t, e, "m-suspect", "billing")
+	otherRan := make(chan struct{})
+	suspectRunning := make(chan struct{})
+	var suspectOnce sync.Once
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if msg.UUID == "m-suspect" {
+			suspectOnce.Do(func() { close(suspectRunning) })
+			select {
+			case <-otherRan:
+			case <-time.After(5 * time.Second):
+				return nil, errors.New("the delivery this handler waits for never ran")
+			}
+		} else {
+			close(otherRan)
+		}
+		return e.credit(msg)
+	})
+	var wg sync.WaitGroup
+	var suspectErr error
+	wg.Go(func() { suspectErr = deliver(h, paymentMsg("m-suspect", 4, 1)) })
+	<-suspectRunning
+	start := time.Now()
+	otherErr := deliver(h, paymentMsg("m-other", 4, 1))
+	took := time.Since(start)
+	wg.Wait()
+	if suspectErr != nil || otherErr != nil {
+		t.Fatalf("suspect: %v; other: %v (the other waited %s)", suspectErr, otherErr, took.Round(time.Millisecond))
+	}
+	if took > 2*time.Second {
+		t.Fatalf("the other delivery waited %s at the gate (ClaimTimeout 300ms)", took.Round(time.Millisecond))
+	}
+	if b := e.balance(4); b != 2 {
+		t.Fatalf("balance %d, want 2", b)
+	}
+}
+
+// killClaimStore terminates the claim connection of the first claim of key id, right after
+// ClaimCounted returns it: the connection is lost between the claim and the delivery's next
+// statement on it.
+type killClaimStore struct {
+	inbox.AttemptStore
+	e    *env
+	id   string
+	done atomic.Bool
+}
+
+func (s *killClaimStore) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
+	tx, res, err := s.AttemptStore.ClaimCounted(ctx, p)
+	if err == nil && tx != nil && p.Key.MessageID == s.id && s.done.CompareAndSwap(false, true) {
+		ptx, ok := pgstore.TxFromContext(tx.Context(ctx))
+		if !ok {
+			s.e.t.Error("no pgx transaction")
+			return tx, res, err
+		}
+		s.e.exec("SELECT pg_terminate_backend($1)", ptx.Conn().PgConn().PID())
+	}
+	return tx, res, err
+}
+
+// TestCrashSuspectFailErrorTakesTheCountBackOnce: a suspect's claim connection is lost before
+// it takes its claim and count back. CountedTx.Fail still takes the count back (on the second
+// connection: the record is updated "best effort" and the rollback's error returned, as its
+// contract says), and the delivery, still believing itself counted, takes it back a second
+// time in settleFailure: the key's one recorded crash is erased, so a poison message gets an
+// extra run per such loss, and a crash record that should make it a suspect disappears.
+func TestCrashSuspectFailErrorTakesTheCountBackOnce(t *testing.T) {
+	e := newEnv(t, 6)
+	dl := newDeadLetters(t)
+	ks := &killClaimStore{AttemptStore: e.store, e: e, id: "m-suspect"}
+	ib := e.inbox("billing", withDeadLetters(dl, 3), func(c *inbox.Config) { c.Store = ks })
+	crashedOnce(t, e, "m-suspect", "billing")
+	h := ib.Middleware(e.credit)
+	if err := deliver(h, paymentMsg("m-suspect", 5, 1)); err == nil {
+		t.Fatal("the delivery whose connection was lost was acked")
+	}
+	if n, _, _ := e.attemptsRow("m-suspect"); n != 1 {
+		t.Fatalf("attempts %d after a nacked delivery that never ran its handler, want the 1 crash recorded before", n)
+	}
+}
+
+// TestCrashIsolatedCountsHandlerRuns: two copies of a suspect message delivered at once both
+// wait to run alone; the second, once alone, finds the key processed (a duplicate) and runs no
+// handler. Stats.Isolated is documented as the deliveries "that ran their handler alone": 1.
+func TestCrashIsolatedCountsHandlerRuns(t *testing.T) {
+	e := newEnv(t, 6)
+	dl := newDeadLetters(t)
+	bs := newBarrierStore(e.store, 2)
+	ib := e.inbox("billing", withDeadLetters(dl, 3), func(c *inbox.Config) { c.Store = bs })
+	crashedOnce(t, e, "m-suspect", "billing")
+	h := ib.Middleware(e.credit)
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	for range 2 {
+		wg.Go(func() { errs <- deliver(h, paymentMsg("m-suspect", 6, 1)) })
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r := e.runs.Load(); r != 1 {
+		t.Fatalf("handler ran %d times, want 1", r)
+	}
+	st := ib.Stats()
+	if st.Duplicates != 1 {
+		t.Fatalf("Duplicates = %d, want 1", st.Duplicates)
+	}
+	if st.Isolated != 1 {
+		t.Fatalf("Stats().Isolated = %d with one handler run", st.Isolated)
+	}
+}
