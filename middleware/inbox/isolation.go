@@ -44,6 +44,10 @@ func (i *Inbox) enterGate(d *delivery) bool {
 	if i.gate == nil {
 		return true
 	}
+	if i.gate.TryAcquire(1) { // no suspect waiting or running: no timer needed
+		d.gate = gateShared
+		return true
+	}
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(d.ctx, i.cfg.ClaimTimeout)
 	err := i.gate.Acquire(ctx, 1)
