@@ -21,15 +21,15 @@ import (
 // canonicalOrder is the one middleware order the project documents: README.md and
 // docs/design.md repeat these lines verbatim, and TestCanonicalMiddlewareOrder runs them.
 const canonicalOrder = `poisonQueue, err := middleware.PoisonQueueWithFilter(pub, "payments.poison", inbox.IsPermanent) // only what redelivery cannot fix
-router.AddMiddleware(
+wmRouter.AddMiddleware(
 	middleware.CorrelationID, // outermost: produced messages get the received message's correlation ID
 	middleware.Recoverer,     // a panic becomes an error (and a nack), never a crash
 	poisonQueue,
 	middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond, ResetContextOnRetry: true}.Middleware,
 	middleware.Timeout(30*time.Second), // inside Retry: every try gets its own deadline
 )
-h := router.AddConsumerHandler("billing", "payments", sub, handler)
-h.AddMiddleware(billing.Middleware) // the inbox, last: innermost, so each try is one transaction`
+h := wmRouter.AddConsumerHandler("billing", "payments", sub, handler)
+h.AddMiddleware(ib.Middleware) // the inbox, last: innermost, so each try is one transaction`
 
 // TestCanonicalMiddlewareOrder runs the documented order on GoChannel: a handler that times
 // out once, fails once with a transient error and once with a panic before succeeding is
@@ -53,7 +53,7 @@ func TestCanonicalMiddlewareOrder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	billing := e.inbox("billing")
+	ib := e.inbox("billing")
 	var tries atomic.Int32
 	handler := func(msg *message.Message) error {
 		if string(msg.Payload) == "malformed" {
@@ -72,7 +72,7 @@ func TestCanonicalMiddlewareOrder(t *testing.T) {
 		_, err := tx.Exec(msg.Context(), "UPDATE accounts SET balance = balance + 5 WHERE id = 1")
 		return err
 	}
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	wmRouter, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -81,19 +81,19 @@ func TestCanonicalMiddlewareOrder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	router.AddMiddleware(
+	wmRouter.AddMiddleware(
 		middleware.CorrelationID,
 		middleware.Recoverer,
 		poisonQueue,
 		middleware.Retry{MaxRetries: 3, InitialInterval: 100 * time.Millisecond, ResetContextOnRetry: true}.Middleware,
 		middleware.Timeout(500*time.Millisecond),
 	)
-	h := router.AddConsumerHandler("billing", "payments", sub, handler)
-	h.AddMiddleware(billing.Middleware)
+	h := wmRouter.AddConsumerHandler("billing", "payments", sub, handler)
+	h.AddMiddleware(ib.Middleware)
 	// ---
-	go func() { _ = router.Run(context.Background()) }()
-	<-router.Running()
-	defer router.Close()
+	go func() { _ = wmRouter.Run(context.Background()) }()
+	<-wmRouter.Running()
+	defer wmRouter.Close()
 	if err := pub.Publish("payments", message.NewMessage("pay-1", []byte("ok")), message.NewMessage("pay-2", []byte("malformed"))); err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func TestCanonicalMiddlewareOrder(t *testing.T) {
 		t.Fatal("the permanent error did not reach the poison topic")
 	}
 	deadline := time.Now().Add(10 * time.Second)
-	for billing.Stats().Processed < 1 && time.Now().Before(deadline) {
+	for ib.Stats().Processed < 1 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	if b, n := e.balance(1), tries.Load(); b != 5 || n != 4 {
