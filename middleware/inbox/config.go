@@ -82,7 +82,10 @@ type Config struct {
 	// ClaimTimeout bounds everything before the handler runs (taking a connection, counting
 	// the attempt, BEGIN and the claim), whatever the network does: past it the delivery
 	// fails and is nacked. It also bounds a concurrent duplicate's wait behind a slow
-	// handler's uncommitted claim. Default: DefaultClaimTimeout.
+	// handler's uncommitted claim. With a dead-letter topic it also bounds each wait at the
+	// crash-isolation gate (docs/design.md, "Crash isolation"): a suspect's wait to run alone
+	// and another delivery's wait behind it; past it, the delivery runs alongside the others
+	// rather than fail. Default: DefaultClaimTimeout.
 	ClaimTimeout time.Duration
 	// MaxTxRetries is the number of in-process retries of a whole transaction (claim, handler,
 	// commit) after a transient conflict the Store reports as Retryable (PostgreSQL SQLSTATE
