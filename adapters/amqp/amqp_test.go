@@ -19,15 +19,29 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-func harness(t testing.TB) adaptertest.Harness {
+func harness(t testing.TB) adaptertest.Harness { return harnessWithConsumers(t, 0, 0) }
+
+// harnessWithConsumers is harness with amqp.Config.Consumers n and Prefetch prefetch (0: the
+// adapter's defaults): with n consumers of prefetch 1, a router handler has up to n
+// deliveries in flight at once (with a larger prefetch, the first consumer to start can take
+// them all, and watermill-amqp processes one at a time per consumer).
+func harnessWithConsumers(t testing.TB, n, prefetch int) adaptertest.Harness {
 	url := testenv.RequireAMQP(t)
 	return adaptertest.Harness{
 		NewBroker: func(_ *pgxpool.Pool, _ string) (*adapters.Broker, error) {
 			// Queues expire 10 minutes after their last consumer leaves. The matrix publishes
 			// before it subscribes: the publisher declares the default group's queue.
-			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}, DeclareGroups: []string{""}}, watermill.NopLogger{})
+			return amqp.New(amqp.Config{URL: url, QueueArguments: map[string]any{"x-expires": int32(600000)}, DeclareGroups: []string{""}, Consumers: n, Prefetch: prefetch}, watermill.NopLogger{})
 		},
 	}
+}
+
+// concurrentHarness runs the crash child with 4 AMQP consumers of prefetch 1 on one handler
+// (TestAdapterChildConcurrent).
+func concurrentHarness(t testing.TB) adaptertest.Harness {
+	h := harnessWithConsumers(t, 4, 1)
+	h.ChildTest = "TestAdapterChildConcurrent"
+	return h
 }
 
 func TestGuarantees(t *testing.T)   { adaptertest.Run(t, harness(t)) }
@@ -37,6 +51,16 @@ func TestAdapterChild(t *testing.T) { adaptertest.Child(t, harness(t)) }
 // dead-lettered after MaxAttempts or MaxAttempts + 1 runs, by the broker's own redeliveries:
 // the adapter's redelivery signal never calls a redelivery a first delivery.
 func TestPoisonCrashLoop(t *testing.T) { adaptertest.RunPoisonCrashLoop(t, harness(t)) }
+
+// TestPoisonCrashLoopConcurrentConsumers: the same with 4 consumers on the handler, so the
+// healthy payment published after the poison one is in flight beside it when it kills the
+// child: crash isolation (docs/design.md) keeps the neighbour's crashes from dead-lettering it.
+func TestPoisonCrashLoopConcurrentConsumers(t *testing.T) {
+	adaptertest.RunPoisonCrashLoop(t, concurrentHarness(t))
+}
+
+// TestAdapterChildConcurrent is TestPoisonCrashLoopConcurrentConsumers's crash child.
+func TestAdapterChildConcurrent(t *testing.T) { adaptertest.Child(t, concurrentHarness(t)) }
 
 // BenchmarkRecoveryAfterSIGKILL: docs/operations.md's recovery figure
 // (go test ./adapters/amqp -run '^$' -bench RecoveryAfterSIGKILL).
