@@ -417,10 +417,7 @@ func TestConcurrentBatchesShareAKey(t *testing.T) {
 				if err := o.bt.Commit(ctx); err != nil {
 					t.Fatal(err)
 				}
-				var rows, records int
-				if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-					t.Fatal(err)
-				}
+				rows, records := rowsAndRecords(t, sch.Pool, s)
 				if rows != 3 || records != 0 {
 					t.Fatalf("%d inbox rows and %d attempt records, want 3 and 0", rows, records)
 				}

@@ -195,10 +195,7 @@ func testClaimBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, path claimP
 	if err != nil || claimed || tx != nil {
 		t.Fatalf("claim after the first committed: %v, claimed %v; want a duplicate", err, claimed)
 	}
-	var rows, records int
-	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-		t.Fatal(err)
-	}
+	rows, records := rowsAndRecords(t, sch.Pool, s)
 	if rows != 1 || records != 0 {
 		t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0: waits are not attempts", rows, records)
 	}
@@ -258,6 +255,15 @@ func TestTriedClaimNeverHoldsItsConnectionBehindAKeyInFlight(t *testing.T) {
 			}
 		}
 	}
+}
+
+// rowsAndRecords counts the rows of s's inbox table and of its attempts table.
+func rowsAndRecords(t testing.TB, pool *pgxpool.Pool, s *pgstore.Store) (rows, records int) {
+	t.Helper()
+	if err := pool.QueryRow(context.Background(), "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
+		t.Fatal(err)
+	}
+	return rows, records
 }
 
 // freeConnectionProbes acquires a connection of pool 20 times, each with a 50 ms deadline and

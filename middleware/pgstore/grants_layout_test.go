@@ -56,10 +56,7 @@ func TestGrantSQLRunsEveryLayout(t *testing.T) {
 			if _, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{}); err != nil {
 				t.Fatalf("PurgeExpired as the application role: %v", err)
 			}
-			var rows, records int
-			if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-				t.Fatal(err)
-			}
+			rows, records := rowsAndRecords(t, sch.Pool, s)
 			if rows != 1 || records != 0 {
 				t.Fatalf("%d inbox rows and %d attempt records, want 1 and 0", rows, records)
 			}

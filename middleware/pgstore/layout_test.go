@@ -388,9 +388,8 @@ func TestMissingPartitionIsAClearError(t *testing.T) {
 			t.Fatalf("claim without a partition: tx %v, err %v; want ErrNoPartition", tx, err)
 		}
 	}
-	var rows, attempts int
-	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &attempts); err != nil || rows+attempts != 0 {
-		t.Fatalf("after failed claims: %d rows, %d attempt records (err %v); want none", rows, attempts, err)
+	if rows, attempts := rowsAndRecords(t, sch.Pool, s); rows+attempts != 0 {
+		t.Fatalf("after failed claims: %d rows, %d attempt records; want none", rows, attempts)
 	}
 	if _, err := s.EnsurePartitions(ctx, far, far); err != nil {
 		t.Fatal(err)

@@ -212,10 +212,7 @@ func testBatchBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, claimLockTi
 	if r.err != nil || len(r.res) != 2 || !r.res[0].Claimed || r.res[1].Claimed {
 		t.Fatalf("batch claim after the first committed: %v %+v, want m-a claimed and m-b a duplicate", r.err, r.res)
 	}
-	var rows, records int
-	if err := sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-		t.Fatal(err)
-	}
+	rows, records := rowsAndRecords(t, sch.Pool, s)
 	if rows != 2 || records != 0 {
 		t.Fatalf("%d processed rows, %d attempt records; want 2, 0 (a wait is not an attempt)", rows, records)
 	}
@@ -242,10 +239,7 @@ func TestBatchClaimWaitingForAConnectionSaysSo(t *testing.T) {
 			if !errors.Is(err, pgstore.ErrWaitingForConnection) || !errors.Is(err, context.DeadlineExceeded) {
 				t.Fatalf("batch claim with the pool exhausted: %v, want ErrWaitingForConnection and the deadline", err)
 			}
-			var rows, records int
-			if err := sch.Pool.QueryRow(context.Background(), "SELECT (SELECT count(*) FROM "+s.Table()+"), (SELECT count(*) FROM "+s.AttemptsTable()+")").Scan(&rows, &records); err != nil {
-				t.Fatal(err)
-			}
+			rows, records := rowsAndRecords(t, sch.Pool, s)
 			if rows != 0 || records != 0 {
 				t.Fatalf("%d inbox rows, %d attempt records; want none", rows, records)
 			}
