@@ -85,9 +85,9 @@ func crashedOnce(t *testing.T, e *env, id, consumer string) {
 // three that arrive while it waits or runs wait for it. So a crash during its run can be
 // charged to it alone, never to a healthy neighbour (docs/design.md, "Crash isolation").
 // Every payment is applied once, nothing is dead-lettered, no attempt row is left. With the
-// broker's signal the suspect is a first delivery of its broker message (a copy of a message
-// whose other copy was in flight at a crash), so it is not counted up front and is isolated
-// all the same.
+// broker's signal the suspect is the broker's redelivery after the crash, flagged, so it is
+// counted up front and reads the record. (A first delivery reads no record, so it is never a
+// suspect: TestFirstDeliveryOfASuspectKeyIsNotIsolated.)
 func TestCrashSuspectRunsAlone(t *testing.T) {
 	for _, sig := range signals {
 		t.Run(sig.name, func(t *testing.T) {
@@ -111,7 +111,11 @@ func TestCrashSuspectRunsAlone(t *testing.T) {
 			var wg sync.WaitGroup
 			errs := make(chan error, 7)
 			send := func(id string) {
-				wg.Go(func() { errs <- deliver(h, paymentMsg(id, 1, 1)) })
+				msg := paymentMsg(id, 1, 1)
+				if id == "m-suspect" {
+					msg.Metadata.Set(redeliveredKey, "true")
+				}
+				wg.Go(func() { errs <- deliver(h, msg) })
 			}
 			for _, id := range []string{"m-before-1", "m-before-2", "m-before-3"} {
 				send(id)

@@ -376,7 +376,7 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	)
 	if i.attempts != nil {
 		var res CountedClaimResult
-		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted, CountLimit: i.cfg.MaxAttempts})
+		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted, CountLimit: i.cfg.MaxAttempts, NoRecord: !d.countFirst})
 		if counted != nil {
 			tx = counted
 		}
@@ -567,6 +567,13 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 		n = d.attempts + p.AttemptsDelta // what the record would say
 	}
 	d.counted, d.attempts, f.attempts = false, n, n
+	if err == nil && p.AttemptsDelta > 0 && n == 0 {
+		// Nothing was counted: the key is dead-lettered (or processed by another copy). Only
+		// a first delivery, claimed without reading the record (NoRecord), gets here. Nack it
+		// rather than dead-letter it a second time: its redelivery is counted first, reads the
+		// record and is skipped.
+		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: the message is already dead-lettered or processed; nacked so that its redelivery is skipped (handler error: %w)", herr)}
+	}
 	return f
 }
 

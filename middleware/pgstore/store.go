@@ -433,7 +433,8 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 		res.Claimed = ct.RowsAffected() == 1
 		return nil
 	})
-	if counted {
+	noRecord := counted && p.NoRecord && !p.CountFirst
+	if counted && !noRecord {
 		b.Queue(s.recordSQL, k.MessageID, k.ConsumerName).QueryRow(func(row pgx.Row) error {
 			var attempts int32
 			var lastError, reason *string
@@ -472,7 +473,9 @@ func (s *Store) claimOnce(ctx context.Context, p inbox.CountedClaimParams, count
 		return nil, inbox.CountedClaimResult{}, fmt.Errorf("claim: %w", s.wrapNoPartition(err, period))
 	}
 	t.rec = res.Record
-	t.dirty = res.Counted || res.Record.Attempts > 0 || res.Record.LastError != "" || lvl != pgx.ReadCommitted
+	// With NoRecord the record was not read and Commit leaves it: a record of a key claimed
+	// that way belongs to another copy, pending or dead-lettered, whose claim clears it.
+	t.dirty = !noRecord && (res.Counted || res.Record.Attempts > 0 || res.Record.LastError != "" || lvl != pgx.ReadCommitted)
 	switch {
 	case res.Claimed && res.Record.DeadLettered:
 		// Not claimed after all: the rollback takes the claim back.
@@ -622,7 +625,7 @@ func (s *Store) adjust(ctx context.Context, q querier, p inbox.AttemptParams) (i
 			" SELECT $1, $2, $3, $4 WHERE NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE "+s.keyMatch+")"+
 			" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + EXCLUDED.attempts,"+
 			" last_error = coalesce(EXCLUDED.last_error, a.last_error), last_attempt_at = now()"+
-			" RETURNING a.attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
+			" WHERE a.dead_lettered_at IS NULL RETURNING a.attempts", k.MessageID, k.ConsumerName, p.AttemptsDelta, nullIfEmpty(truncateUTF8(p.Error, maxErrorBytes))).Scan(&n)
 	} else {
 		// One statement, so it is applied wholly or not at all (Fail retries a refused one):
 		// a record that would be left with no attempt and no error goes, any other is

@@ -180,7 +180,10 @@ func (s *MemStore) claim(ctx context.Context, p inbox.CountedClaimParams, counte
 		return nil, res, nil
 	}
 	res.Claimed = true
-	if counted {
+	if counted && p.NoRecord && !p.CountFirst {
+		tx.counted = true
+		tx.noRecord = true
+	} else if counted {
 		rec := s.records[k]
 		res.Record = rec
 		tx.counted = true
@@ -211,12 +214,10 @@ func (s *MemStore) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (i
 func (s *MemStore) adjust(k inbox.Key, delta int, errText string) int {
 	r, ok := s.records[k]
 	if r.DeadLettered {
-		return r.Attempts
+		return 0
 	}
-	if !ok {
-		if _, done := s.rows[k]; done || delta <= 0 {
-			return 0
-		}
+	if _, done := s.rows[k]; (done && delta > 0) || (!ok && delta <= 0) {
+		return 0 // as pgstore: a processed key is not counted
 	}
 	r.Attempts = max(r.Attempts+delta, 0)
 	if errText != "" {
@@ -306,7 +307,9 @@ type MemTx struct {
 	key     inbox.Key
 	hash    []byte
 	writes  map[string]int64
-	counted bool // a counted claim: its commit clears the attempt record
+	counted bool // a counted claim: its commit clears the attempt record (unless noRecord)
+	// noRecord: claimed with NoRecord, the record neither read nor cleared.
+	noRecord bool
 	locked  bool // holds the key's count lock
 	ended   bool
 }
@@ -352,7 +355,7 @@ func (t *MemTx) Commit(context.Context) error {
 	for name, d := range t.writes {
 		t.s.values[name] += d
 	}
-	if t.counted && !t.s.records[t.key].DeadLettered {
+	if t.counted && !t.noRecord && !t.s.records[t.key].DeadLettered {
 		delete(t.s.records, t.key)
 	}
 	t.release(false)

@@ -68,6 +68,7 @@ func Run(t *testing.T, newStore func(t *testing.T) inbox.Store) {
 		{"DeadLetteredUntilReplay", testDeadLetteredUntilReplay},
 		{"AdjustAttempts", testAdjustAttempts},
 		{"CountLimitStopsCounting", testCountLimitStopsCounting},
+		{"NoRecordClaimsAlone", testNoRecordClaimsAlone},
 	}
 	for _, tc := range core {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, newStore(t)) })
@@ -702,6 +703,64 @@ func testDeadLetteredUntilReplay(t *testing.T, s inbox.AttemptStore) {
 	}
 	if _, res := counted(t, s, never, false); !res.Record.DeadLettered {
 		t.Fatalf("dead-lettered without attempts: %+v", res)
+	}
+}
+
+// testNoRecordClaimsAlone: a claim with NoRecord (a first delivery) neither reads nor
+// clears the key's attempt record: Record is zero, a dead-lettered key is claimed, and a
+// Fail of it counts nothing (0) and leaves the record dead-lettered; a commit leaves another
+// copy's record, which that copy's duplicate claim clears. Positive counts of a processed or
+// dead-lettered key return 0.
+func testNoRecordClaimsAlone(t *testing.T, s inbox.AttemptStore) {
+	ctx := ctxT(t)
+	noRecord := func(p inbox.ClaimParams) (inbox.CountedTx, inbox.CountedClaimResult) {
+		t.Helper()
+		tx, res, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: p, NoRecord: true})
+		if err != nil {
+			t.Fatalf("ClaimCounted(%q, NoRecord): %v", p.Key.MessageID, err)
+		}
+		if tx != nil {
+			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+		}
+		return tx, res
+	}
+	dead := params("m-norecord-dead")
+	if err := s.MarkDeadLettered(ctx, inbox.AttemptParams{Key: dead.Key, Error: "permanent"}); err != nil {
+		t.Fatal(err)
+	}
+	tx, res := noRecord(dead)
+	if tx == nil || !res.Claimed || res.Record != (inbox.AttemptRecord{}) {
+		t.Fatalf("NoRecord claim of a dead-lettered key: %+v, want claimed with a zero record", res)
+	}
+	if n, err := tx.Fail(ctx, inbox.FailParams{AttemptsDelta: 1, Error: "boom"}); err != nil || n != 0 {
+		t.Fatalf("Fail(+1) of a dead-lettered key = %d, %v; want 0", n, err)
+	}
+	if _, res := counted(t, s, dead, false); !res.Record.DeadLettered || res.Record.Attempts != 0 || res.Record.LastError != "" {
+		t.Fatalf("after the NoRecord copy failed: %+v, want the dead-lettered record unchanged", res)
+	}
+
+	pending := params("m-norecord-pending")
+	if n, err := s.AdjustAttempts(ctx, inbox.AttemptParams{Key: pending.Key, AttemptsDelta: 1, Error: "timeout"}); err != nil || n != 1 {
+		t.Fatalf("AdjustAttempts(+1) = %d, %v", n, err)
+	}
+	tx, res = noRecord(pending)
+	if !res.Claimed || res.Record != (inbox.AttemptRecord{}) {
+		t.Fatalf("NoRecord claim of a key with a record: %+v, want claimed with a zero record", res)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := s.AdjustAttempts(ctx, inbox.AttemptParams{Key: pending.Key, AttemptsDelta: 1}); err != nil || n != 0 {
+		t.Fatalf("AdjustAttempts(+1) of a processed key = %d, %v; want 0", n, err)
+	}
+	if n := attemptsOf(t, s, "m-norecord-pending"); n != 1 {
+		t.Fatalf("after a NoRecord commit the other copy's record holds %d attempts, want 1 (left to that copy)", n)
+	}
+	if tx, res := counted(t, s, pending, true); tx != nil || res.Claimed {
+		t.Fatalf("the other copy's redelivery: %+v, want a duplicate", res)
+	}
+	if n := attemptsOf(t, s, "m-norecord-pending"); n != 0 {
+		t.Fatalf("after the other copy's duplicate claim the record holds %d attempts, want none", n)
 	}
 }
 
