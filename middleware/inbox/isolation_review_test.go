@@ -3,11 +3,13 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -136,4 +138,67 @@ func TestCrashIsolatedCountsHandlerRuns(t *testing.T) {
 	if st.Isolated != 1 {
 		t.Fatalf("Stats().Isolated = %d with one handler run", st.Isolated)
 	}
+}
+
+// infoLines is a watermill logger that keeps the INFO messages it is given.
+type infoLines struct {
+	watermill.NopLogger
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *infoLines) Info(msg string, _ watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, msg)
+}
+
+func (l *infoLines) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *infoLines) contains(part string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if strings.Contains(line, part) {
+			return true
+		}
+	}
+	return false
+}
+
+// TestSuspectWhoseDeadlinePassesAtTheGate: a suspect whose context has a deadline (a Timeout
+// middleware in front of the inbox) that passes while it waits for the Inbox to empty is
+// nacked without using an attempt, and the log says its deadline passed, not that the
+// consumer is shutting down. Its redelivery is applied once.
+func TestSuspectWhoseDeadlinePassesAtTheGate(t *testing.T) {
+	e := newEnv(t, 6)
+	dl := newDeadLetters(t)
+	logs := &infoLines{}
+	ib, err := inbox.New(inbox.Config{Store: e.store, ConsumerName: "billing", DeadLetterPublisher: dl, DeadLetterTopic: dlTopic, MaxAttempts: 3}, logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &crashOverlap{e: e, suspect: "m-suspect", hold: 600 * time.Millisecond}
+	h := ib.Middleware(c.handler)
+	crashedOnce(t, e, "m-suspect", "billing")
+
+	c.whileSlowRuns(t, h, paymentMsg("m-slow", 2, 5), func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+		defer cancel()
+		m := paymentMsg("m-suspect", 2, 1)
+		m.SetContext(ctx)
+		if _, err := h(m); !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("suspect past its deadline: %v, want a nack with context.DeadlineExceeded", err)
+		}
+	})
+	if n, _, _ := e.attemptsRow("m-suspect"); n != 1 {
+		t.Fatalf("the suspect's record holds %d attempts after its abandoned delivery, want 1 (the crash only)", n)
+	}
+	if !logs.contains("deadline passed") || logs.contains("shutting down") {
+		t.Fatalf("log lines %q: want the deadline named, not a shutdown", logs.lines)
+	}
+	if err := deliver(h, paymentMsg("m-suspect", 2, 1)); err != nil {
+		t.Fatal(err)
+	}
+	e.settled(dl, 2, 6)
 }

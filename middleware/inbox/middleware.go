@@ -645,6 +645,20 @@ func (i *Inbox) observe(d *delivery) {
 	i.cfg.Observer.ObserveDelivery(d.ctx, d.res)
 }
 
+// abandonedWhy is the log line of an abandoned delivery: its context was cancelled (the
+// router shutting down), its deadline passed (a Timeout middleware in front of the inbox, while
+// it waited for a delivery running alone or for its back-off), or the handler left its
+// goroutine (runtime.Goexit).
+func abandonedWhy(ctx context.Context) string {
+	switch {
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		return "Delivery abandoned: its context's deadline passed before its handler could settle it; not counted as an attempt"
+	case ctx.Err() != nil:
+		return "Delivery abandoned: the consumer is shutting down; not counted as an attempt"
+	}
+	return "Delivery abandoned: the handler left its goroutine (runtime.Goexit); not counted as an attempt"
+}
+
 // settleFailure decides what a failure becomes: a dead letter, or an error for the router.
 func (i *Inbox) settleFailure(d *delivery, f *failure) {
 	d.res.Err = f.err
@@ -658,7 +672,7 @@ func (i *Inbox) settleFailure(d *delivery, f *failure) {
 		}
 		d.res.Outcome = OutcomeFailedRetryable
 		if f.kind == failAbandoned {
-			i.logger.Info("Delivery abandoned: the consumer is shutting down; not counted as an attempt", watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+			i.logger.Info(abandonedWhy(d.ctx), watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
 		}
 		return
 	}
