@@ -159,7 +159,16 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		reserveStack(len(msg.UUID))
+		reentry := msg.Context().Value(enteredKey{}) != nil
+		if !reentry {
+			msg.SetContext(context.WithValue(msg.Context(), enteredKey{}, struct{}{}))
+		}
 		d := i.newDelivery(msg)
+		// A first delivery is claimed without reading the key's attempt record, the first time
+		// the inbox sees this message only: an outer Retry calls it again with the same
+		// message, whose broker signal still says first delivery, after a try that may have
+		// recorded a failure (docs/design.md, "What a first delivery skips").
+		d.noRecord = i.attempts != nil && !d.countFirst && !reentry
 		i.startDelivery(d)
 		f, panicked, p := i.deliverGated(d, h)
 		if !panicked {
@@ -210,6 +219,10 @@ func (i *Inbox) deliverRecovering(d *delivery, h message.HandlerFunc) (f *failur
 	return f, false, nil
 }
 
+// enteredKey marks, in the received message's context, that the immediate inbox has run a
+// delivery of this message object: a second call with it is a re-entry (an outer Retry).
+type enteredKey struct{}
+
 // delivery is one call of the middleware: the message as received, its key, and what
 // happened to it so far.
 type delivery struct {
@@ -219,6 +232,7 @@ type delivery struct {
 	keyErr     error // the key is invalid (params.Key is empty)
 	braked     bool  // invalid, during an invalid-key flood (InvalidKeyBrake)
 	countFirst bool  // count durably before the first claim (a possible redelivery)
+	noRecord   bool  // claim without reading the attempt record (CountedClaimParams.NoRecord)
 	// gate is what the delivery holds of the crash-isolation gate; isolationTried is set
 	// once it asked to run alone (isolation.go).
 	gate           gateHold
@@ -376,7 +390,7 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	)
 	if i.attempts != nil {
 		var res CountedClaimResult
-		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted, CountLimit: i.cfg.MaxAttempts, NoRecord: !d.countFirst})
+		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted, CountLimit: i.cfg.MaxAttempts, NoRecord: d.noRecord && !d.counted})
 		if counted != nil {
 			tx = counted
 		}
@@ -572,7 +586,8 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 		// a first delivery, claimed without reading the record (NoRecord), gets here. Nack it
 		// rather than dead-letter it a second time: its redelivery is counted first, reads the
 		// record and is skipped.
-		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: the message is already dead-lettered or processed; nacked so that its redelivery is skipped (handler error: %w)", herr)}
+		// %v, not %w: a permanent error must not reach an outer PoisonQueue as permanent.
+		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: the message is already dead-lettered or processed; nacked so that its redelivery is skipped (handler error: %v)", herr)}
 	}
 	return f
 }

@@ -105,7 +105,10 @@ type Tx interface {
 	Rollback(ctx context.Context) error
 }
 
-// AttemptRecord is the durable attempt state of a key that has not been processed.
+// AttemptRecord is the durable attempt state of a key that has not been processed. (A record
+// can outlive its key's processing: a claim with NoRecord neither reads nor clears it, see
+// CountedClaimParams.NoRecord; the key's next counted claim, Replay or the purge of its inbox
+// row removes it.)
 type AttemptRecord struct {
 	// Attempts counts the deliveries whose handler ran (or may have run: a crash) without
 	// settling, this delivery included when it was counted before its claim.
@@ -139,12 +142,15 @@ type CountedClaimParams struct {
 	// NoRecord, without CountFirst, asks for the claim alone: the store does not read the
 	// key's attempt record, so the claim costs what Store.Claim costs (pgstore: the attempts
 	// table is not touched, one statement fewer in the claim's round trip). Record is then
-	// zero, a dead-lettered key is claimed like any other (its Fail changes nothing and
-	// returns 0), and Commit does not clear a record (a record of the key exists only while
-	// another copy is pending or dead-lettered; that copy's duplicate claim clears it). The
-	// inbox sets it for a delivery its broker signals as a first delivery (Redelivery), whose
-	// failure is recorded after the fact: Fail's count includes the key's earlier attempts.
-	// Ignored with CountFirst.
+	// zero, a dead-lettered key is claimed like any other (a Fail of it changes nothing and
+	// returns 0), and Commit does not delete a record: a record the key has belongs to
+	// another copy (one that failed or crashed and waits for its redelivery, whose counted
+	// claim is then a duplicate and deletes it) or is dead-lettered (moot once the key is
+	// processed: Replay refuses it and the purge of the key's row deletes it). The immediate
+	// inbox sets it for a delivery its broker signals as a first delivery (Redelivery), the
+	// first time it sees the message (not on a re-entry through an outer Retry); its failure
+	// is recorded after the fact: Fail's count includes the key's earlier attempts. Ignored
+	// with CountFirst.
 	NoRecord bool
 }
 
@@ -198,24 +204,32 @@ type AttemptStore interface {
 	Store
 	// ClaimCounted is Claim with the key's attempt record: with the claim it reads the
 	// record (as committed after any wait for the claim); a successful Commit deletes it, a
-	// Rollback leaves it (neither with NoRecord: see CountedClaimParams). Every counted claim of a key holds the key's lock while it counts
+	// Rollback leaves it (with NoRecord the record is neither read nor deleted: see
+	// CountedClaimParams). Every counted claim of a key holds the key's lock while it counts
 	// and while its transaction is open, so no copy counts while it runs. A key whose record
-	// is dead-lettered is not claimed: the store ends its transaction and returns a nil Tx
-	// with Record.DeadLettered set. A duplicate leaves no record behind and no transaction
+	// is dead-lettered is not claimed (unless with NoRecord): the store ends its transaction
+	// and returns a nil Tx with Record.DeadLettered set. A duplicate leaves no record behind and no transaction
 	// open. A claim that fails (a lock timeout, ctx ending while it waits) takes back a count
 	// it made.
 	ClaimCounted(ctx context.Context, p CountedClaimParams) (CountedTx, CountedClaimResult, error)
 	// AdjustAttempts adds p.AttemptsDelta to the key's attempt record outside any claim,
 	// and stores p.Error as its last error when non-empty; a positive delta creates the
-	// record unless the key is already processed. It returns the count afterwards, 0 for a
-	// key that is processed or dead-lettered (whose record it leaves as it is). Used
+	// record unless the key is already processed. It returns the count afterwards; a
+	// positive delta returns 0 for a key that is processed or dead-lettered, whose record it
+	// leaves as it is (a count after a dead letter, or after processing, counts nothing). Used
 	// when a claim transaction ended without Fail (a rollback certain at COMMIT).
 	AdjustAttempts(ctx context.Context, p AttemptParams) (attempts int, err error)
 	// MarkDeadLettered records that the key was published to the dead-letter topic, with
-	// p.Error as the reason. Later ClaimCounted calls report it until Replay.
+	// p.Error as the reason. Later ClaimCounted calls report it until Replay (those with
+	// NoRecord do not read it: see CountedClaimParams).
 	MarkDeadLettered(ctx context.Context, p AttemptParams) error
 	// Replay deletes the key's dead-lettered attempt record, so its next delivery runs the
-	// handler again. It reports whether the key was dead-lettered.
+	// handler again. It reports whether the key was dead-lettered and is not processed: a
+	// dead-lettered record whose key was processed since (a first delivery of a copy the
+	// producer sent again, claimed with NoRecord) is moot; Replay deletes it too and reports
+	// false, since republishing the message would apply it again once the inbox row is
+	// purged. A store that purges inbox rows (Purger) deletes the moot dead-lettered records of
+	// the keys it purges, for the same reason.
 	Replay(ctx context.Context, p AttemptParams) (bool, error)
 }
 

@@ -257,7 +257,8 @@ func (s *MemStore) Replay(ctx context.Context, p inbox.AttemptParams) (bool, err
 		return false, nil
 	}
 	delete(s.records, p.Key)
-	return true, nil
+	_, processed := s.rows[p.Key] // processed since its dead letter: not replayed (as pgstore)
+	return !processed, nil
 }
 
 // Purge implements inbox.Purger. It deletes in one batch per call of BatchSize rows.
@@ -279,6 +280,9 @@ func (s *MemStore) Purge(ctx context.Context, p inbox.PurgeParams) (inbox.PurgeR
 			}
 			if row.receivedAt.Before(p.Before) && (p.ConsumerName == "" || k.ConsumerName == p.ConsumerName) {
 				delete(s.rows, k)
+				if s.records[k].DeadLettered {
+					delete(s.records, k) // moot: processed after its dead letter (as pgstore)
+				}
 				n++
 			}
 		}
@@ -310,8 +314,8 @@ type MemTx struct {
 	counted bool // a counted claim: its commit clears the attempt record (unless noRecord)
 	// noRecord: claimed with NoRecord, the record neither read nor cleared.
 	noRecord bool
-	locked  bool // holds the key's count lock
-	ended   bool
+	locked   bool // holds the key's count lock
+	ended    bool
 }
 
 // Add adds delta to the business value name, in the transaction.

@@ -708,8 +708,9 @@ func testDeadLetteredUntilReplay(t *testing.T, s inbox.AttemptStore) {
 
 // testNoRecordClaimsAlone: a claim with NoRecord (a first delivery) neither reads nor
 // clears the key's attempt record: Record is zero, a dead-lettered key is claimed, and a
-// Fail of it counts nothing (0) and leaves the record dead-lettered; a commit leaves another
-// copy's record, which that copy's duplicate claim clears. Positive counts of a processed or
+// Fail of it counts nothing (0) and leaves the record dead-lettered, while a commit of it
+// makes the dead letter moot (Replay refuses it); a commit leaves another copy's record,
+// which that copy's duplicate claim clears. Positive counts of a processed or
 // dead-lettered key return 0.
 func testNoRecordClaimsAlone(t *testing.T, s inbox.AttemptStore) {
 	ctx := ctxT(t)
@@ -737,6 +738,21 @@ func testNoRecordClaimsAlone(t *testing.T, s inbox.AttemptStore) {
 	}
 	if _, res := counted(t, s, dead, false); !res.Record.DeadLettered || res.Record.Attempts != 0 || res.Record.LastError != "" {
 		t.Fatalf("after the NoRecord copy failed: %+v, want the dead-lettered record unchanged", res)
+	}
+	// A NoRecord copy of it that succeeds processes the key: the dead letter is moot, and
+	// Replay refuses it (false) and deletes it.
+	tx, res = noRecord(dead)
+	if !res.Claimed {
+		t.Fatalf("second NoRecord claim of a dead-lettered key: %+v, want claimed", res)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := s.Replay(ctx, inbox.AttemptParams{Key: dead.Key}); err != nil || ok {
+		t.Fatalf("Replay of a dead letter processed since = %v, %v; want false", ok, err)
+	}
+	if ok, err := s.Replay(ctx, inbox.AttemptParams{Key: dead.Key}); err != nil || ok {
+		t.Fatalf("second Replay = %v, %v; want false (the moot record is gone)", ok, err)
 	}
 
 	pending := params("m-norecord-pending")
