@@ -78,6 +78,11 @@ func (f *partitionFlags) open(ctx context.Context) (*pgstore.Store, *pgxpool.Poo
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect to %s: %w", redactURL(raw), err)
 	}
+	// The layout (text or compact) decides how DropPartitions matches a partition's keys to
+	// their dead-lettered attempt records; a table that is missing is reported below.
+	if detected, err := pgstore.DetectLayout(ctx, pool, cfg); err == nil {
+		cfg.Layout = detected.Layout
+	}
 	s, err := pgstore.New(pool, cfg)
 	if err != nil {
 		pool.Close()

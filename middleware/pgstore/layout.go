@@ -186,6 +186,24 @@ func (s *Store) applyLayout() {
 
 // consumerIDSQL is the scalar subquery that maps the consumer name in param to its smallint
 // (compact layout). NULL for an unregistered name, which the NOT NULL column refuses.
+// mootDeadLettersSQL returns a data-modifying CTE, "moot AS (DELETE ...)", that deletes the
+// dead-lettered attempt records of the keys in rows, a CTE or relation with the inbox table's
+// columns (rows being purged, a partition about to be dropped), through the attempts table's
+// primary key. Such a record is moot: its message was processed after it was dead-lettered (a
+// first delivery of a copy the producer sent again, claimed without reading the record:
+// inbox.CountedClaimParams.NoRecord). Kept beyond its key's inbox row, it would let a later
+// Replay republish a message whose processing the purge has forgotten: applied twice.
+func (s *Store) mootDeadLettersSQL(rows string) string {
+	// message_id is text or uuid (the compact layout, and tables created with a uuid key);
+	// as text, a uuid is in its canonical lower-case form, as the inbox passes UUID keys.
+	id, name := "g.message_id::text", "g.consumer_name"
+	if s.cfg.Layout == LayoutCompact {
+		name = "(SELECT c.consumer_name FROM " + s.consumers + " AS c WHERE c.consumer_id = g.consumer_id)"
+	}
+	return "moot AS (DELETE FROM " + s.attempts + " AS a USING " + rows + " AS g WHERE a.message_id = " + id +
+		" AND a.consumer_name = " + name + " AND a.dead_lettered_at IS NOT NULL)"
+}
+
 func (s *Store) consumerIDSQL(param string) string {
 	return "(SELECT consumer_id FROM " + s.consumers + " WHERE consumer_name = " + param + ")"
 }

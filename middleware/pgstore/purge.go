@@ -235,13 +235,22 @@ func (s *Store) PurgeExpired(ctx context.Context, p PurgeExpiredParams) (PurgeRe
 // (the received_at index), in one statement.
 func (s *Store) purgeInboxBatch(ctx context.Context, c *pgxpool.Conn, cutoff time.Time, limit int) (int64, error) {
 	where := " WHERE " + s.receivedBefore("$1") + " ORDER BY " + s.receivedColumn() + " LIMIT $2"
-	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table + where + "))"
+	var n int64
+	err := c.QueryRow(ctx, s.purgeRowsSQL(where), cutoff, limit).Scan(&n)
+	return n, err
+}
+
+// purgeRowsSQL deletes the inbox rows that where (a WHERE ... LIMIT clause over the inbox
+// table) selects, by ctid, and in the same statement the moot dead-lettered attempt records of
+// their keys (mootDeadLettersSQL); it returns the number of inbox rows deleted.
+func (s *Store) purgeRowsSQL(where string) string {
+	match := "ctid = ANY (ARRAY(SELECT ctid FROM " + s.table + where + "))"
 	if s.cfg.Partitioning != nil {
 		// A ctid is unique only within one partition: name the partition too.
-		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table + where + ")"
+		match = "(tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table + where + ")"
 	}
-	tag, err := c.Exec(ctx, q, cutoff, limit)
-	return tag.RowsAffected(), err
+	return "WITH gone AS (DELETE FROM " + s.table + " WHERE " + match + " RETURNING *), " + s.mootDeadLettersSQL("gone") +
+		" SELECT count(*) FROM gone"
 }
 
 func (s *Store) countExpiredInbox(ctx context.Context, c *pgxpool.Conn, cutoff time.Time) (int64, error) {

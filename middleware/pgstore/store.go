@@ -661,14 +661,22 @@ func (s *Store) MarkDeadLettered(ctx context.Context, p inbox.AttemptParams) err
 	return nil
 }
 
-// Replay implements inbox.AttemptStore: it deletes the key's dead-lettered attempt record.
+// Replay implements inbox.AttemptStore: it deletes the key's dead-lettered attempt record. A
+// record whose key is processed (a copy the producer sent again was applied after the dead
+// letter) is deleted too, and reported false: replaying it would apply the message again once
+// the inbox row is purged.
 func (s *Store) Replay(ctx context.Context, p inbox.AttemptParams) (bool, error) {
-	tag, err := s.pool.Exec(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NOT NULL",
-		p.Key.MessageID, p.Key.ConsumerName)
+	var unprocessed bool
+	err := s.pool.QueryRow(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NOT NULL"+
+		" RETURNING NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE "+s.keyMatch+")",
+		p.Key.MessageID, p.Key.ConsumerName).Scan(&unprocessed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
 	if err != nil {
 		return false, fmt.Errorf("replay: %w", err)
 	}
-	return tag.RowsAffected() == 1, nil
+	return unprocessed, nil
 }
 
 // Purge implements inbox.Purger: it deletes processed rows received before p.Before (in the
@@ -681,19 +689,15 @@ func (s *Store) Purge(ctx context.Context, p inbox.PurgeParams) (inbox.PurgeResu
 		size = DefaultPurgeBatchSize
 	}
 	where := " WHERE " + s.receivedBefore("$1") + " AND ($2::text IS NULL OR " + s.consumerMatch("$2") + ") ORDER BY " + s.receivedColumn() + " LIMIT $3"
-	q := "DELETE FROM " + s.table + " WHERE ctid = ANY (ARRAY(SELECT ctid FROM " + s.table + where + "))"
-	if s.cfg.Partitioning != nil {
-		// A ctid is unique only within one partition: name the partition too.
-		q = "DELETE FROM " + s.table + " WHERE (tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table + where + ")"
-	}
+	q := s.purgeRowsSQL(where)
 	for {
-		tag, err := s.pool.Exec(ctx, q, p.Before, nullIfEmpty(p.ConsumerName), size)
-		if err != nil {
+		var n int64
+		if err := s.pool.QueryRow(ctx, q, p.Before, nullIfEmpty(p.ConsumerName), size).Scan(&n); err != nil {
 			return res, fmt.Errorf("purge: %w", err)
 		}
 		res.Batches++
-		res.Deleted += tag.RowsAffected()
-		if tag.RowsAffected() < int64(size) {
+		res.Deleted += n
+		if n < int64(size) {
 			return res, nil
 		}
 	}
