@@ -25,7 +25,7 @@ import (
 
 var (
 	poolFlag       = flag.Int("pool", 10, "BenchmarkPeers, BenchmarkStoreThenProcess: the pgx pool's size (max connections) shared by every mode")
-	peerModesFlag  = flag.String("peer-modes", "dedup,bare,inbox,batched", "BenchmarkPeers: comma-separated modes to run (dedup, bare, inbox, batched)")
+	peerModesFlag  = flag.String("peer-modes", "dedup,bare,inbox,inbox-dlq,batched", "BenchmarkPeers: comma-separated modes to run (dedup, bare, inbox, inbox-dlq, batched)")
 	deliveriesFlag = flag.String("deliveries", "1,8,32,128", "BenchmarkPeers, BenchmarkStoreThenProcess: comma-separated concurrent deliveries")
 )
 
@@ -99,6 +99,19 @@ func peerModes() []peerMode {
 			}
 			return ib.Middleware, nil
 		}},
+		// The immediate inbox with a dead-letter topic (durable attempt counting) on a broker
+		// that signals first deliveries, as RabbitMQ's redelivered flag or NATS's delivery
+		// count does: a first delivery that succeeds costs what the plain inbox costs.
+		{name: "inbox-dlq", setup: func(e *peerEnv) (message.HandlerMiddleware, error) {
+			dead := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+			ib, err := inbox.New(inbox.Config{Store: e.store, ConsumerName: "peers-dlq",
+				DeadLetterPublisher: dead, DeadLetterTopic: "dead",
+				Redelivery: func(*message.Message) inbox.Redelivery { return inbox.FirstDelivery }}, nil)
+			if err != nil {
+				return nil, err
+			}
+			return ib.Middleware, nil
+		}},
 		// The batched inbox (group commit), sized as docs/design.md advises: a batch of about
 		// half the concurrent deliveries (at most 16), so one batch gathers while another
 		// commits; with one delivery it is the immediate inbox (a batch of one is off).
@@ -141,14 +154,16 @@ func deliveryCounts(b *testing.B) []int {
 // BenchmarkPeers compares, on GoChannel, what a user can put around a handler that runs one
 // UPDATE on one of 10,000 account rows: Watermill's in-memory Deduplicator in front of a bare
 // transaction (dedup), the bare transaction alone (bare: BEGIN, the UPDATE, COMMIT; no
-// deduplication at all) and the immediate inbox (inbox: the claim pipelined with BEGIN, the
-// UPDATE, COMMIT), at 1, 8, 32 and 128 concurrent deliveries. It reports <mode>-msg/s for each
+// deduplication at all), the immediate inbox (inbox: the claim pipelined with BEGIN, the
+// UPDATE, COMMIT), the same with a dead-letter topic on a broker that signals first deliveries
+// (inbox-dlq) and the batched inbox (batched), at 1, 8, 32 and 128 concurrent deliveries. It reports <mode>-msg/s for each
 // mode and <mode>/bare. b.N is the number of messages per mode.
 //
 // Each delivery is acked before its publisher sends the next message
 // (BlockPublishUntilSubscriberAck), so the number of publishers is exactly the number of
-// concurrent deliveries. The modes run in the same iteration, interleaved in four chunks, so
-// their ratios are measured under the same machine load. Every mode shares one pool of -pool
+// concurrent deliveries. The modes run in the same iteration, interleaved in one chunk per
+// mode whose order rotates (every mode runs once in every position), so their ratios are
+// measured under the same machine load. Every mode shares one pool of -pool
 // connections (10 by default, this machine's rule for a test process): beyond 10 deliveries
 // the extra ones wait for a connection, as they would in a service whose pool is sized for its
 // database rather than for its consumer's concurrency.
@@ -201,14 +216,19 @@ func benchPeers(b *testing.B, slots int) {
 	}
 	b.ResetTimer()
 	elapsed := make([]time.Duration, len(modes))
-	const chunks = 4
+	// One chunk per mode, the order rotated by one each chunk, so every mode runs once in
+	// every position: a mode's rate depends on the mode that ran just before it
+	// (docs/benchmarks.md, session 5: the mode right after bare ran about 0.05 of the bare
+	// rate slower).
+	chunks := len(modes)
 	for c := range chunks {
 		n := b.N / chunks
 		if c < b.N%chunks {
 			n++
 		}
-		for mi, m := range modes {
-			elapsed[mi] += publishSlots(b, pubsub, m.name, slots, n)
+		for k := range modes {
+			mi := (k + c) % len(modes)
+			elapsed[mi] += publishSlots(b, pubsub, modes[mi].name, slots, n)
 		}
 	}
 	b.StopTimer()
