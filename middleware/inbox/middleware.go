@@ -578,6 +578,13 @@ func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failu
 	n, err := counted.Fail(d.ctx, p)
 	if err != nil {
 		i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+		if d.noRecord && kind == failMessage {
+			// A first delivery read no record, so it cannot tell what the record says now (the
+			// key may even be dead-lettered): nack, and let the redelivery, counted first and
+			// reading the record, decide. Never dead-letter on a guess.
+			d.counted = false
+			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: record the failed attempt: %w (handler error: %v)", err, herr)}
+		}
 		n = d.attempts + p.AttemptsDelta // what the record would say
 	}
 	d.counted, d.attempts, f.attempts = false, n, n

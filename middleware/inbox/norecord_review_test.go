@@ -221,3 +221,48 @@ func (e *env) purgeExpired() (pgstore.PurgeReport, error) {
 	}
 	return s.PurgeExpired(context.Background(), pgstore.PurgeExpiredParams{})
 }
+
+// TestResentDeadLetteredKeyWhoseFailCannotBeRecorded: a first delivery reads no record, so when
+// recording its failure fails (its connection is gone before the rollback), the inbox cannot
+// tell what the record says: it nacks rather than guess, so a resent copy of a dead-lettered
+// message that fails permanently is not dead-lettered a second time; its redelivery reads the
+// record and is skipped.
+func TestResentDeadLetteredKeyWhoseFailCannotBeRecorded(t *testing.T) {
+	e := newEnv(t, 4)
+	dl := newDeadLetters(t)
+	ib := e.inbox("billing", withDeadLetters(dl, 1), func(c *inbox.Config) { c.Redelivery = redeliveryFromFlag })
+	var kill atomic.Bool
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if kill.Load() {
+			tx, _ := pgstore.TxFromContext(msg.Context())
+			var pid int32
+			if err := tx.QueryRow(msg.Context(), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+				return nil, err
+			}
+			if _, err := e.sch.Pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", pid); err != nil {
+				return nil, err
+			}
+		}
+		return nil, inbox.Permanent(errors.New("payment rejected"))
+	})
+	msg := paymentMsg("m-fail-unrecorded", 3, 1)
+	if err := deliver(h, msg); err != nil { // dead-lettered at once
+		t.Fatal(err)
+	}
+	dl.wait(t, 1)
+	kill.Store(true)
+	if err := deliver(h, msg); err == nil || inbox.IsPermanent(err) {
+		t.Fatalf("a resend whose failure could not be recorded: %v, want a nack that is not permanent", err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	dl.wait(t, 1)
+	kill.Store(false)
+	redelivered := msg.Copy()
+	redelivered.Metadata.Set(redeliveredKey, "true")
+	if err := deliver(h, redelivered); err != nil {
+		t.Fatal(err)
+	}
+	if s := ib.Stats(); s.DeadLettered != 1 || s.DeadLetteredSkips != 1 {
+		t.Fatalf("stats %+v; want 1 dead letter and 1 skip", s)
+	}
+}
