@@ -8,11 +8,14 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unicode"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -60,6 +63,11 @@ type Stats struct {
 // Inbox is the transactional inbox middleware for one consumer. It is safe for concurrent use
 // by any number of deliveries; each holds one store connection while it runs.
 type Inbox struct {
+	// entered holds the message objects the immediate inbox has run a delivery of (weak
+	// pointers, deleted once a message is garbage): a second call with one is a re-entry
+	// (an outer Retry), which reads the attempt record.
+	entered sync.Map
+
 	cfg      Config
 	attempts AttemptStore // set when a dead-letter topic is configured
 	logger   watermill.LoggerAdapter
@@ -159,9 +167,12 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		reserveStack(len(msg.UUID))
-		reentry := msg.Context().Value(enteredKey{}) != nil
+		// Known by the message object, not by its context: Watermill's Retry with
+		// ResetContextOnRetry (the documented order) restores the context before each retry.
+		wp := weak.Make(msg)
+		_, reentry := i.entered.LoadOrStore(wp, struct{}{})
 		if !reentry {
-			msg.SetContext(context.WithValue(msg.Context(), enteredKey{}, struct{}{}))
+			runtime.AddCleanup(msg, func(wp weak.Pointer[message.Message]) { i.entered.Delete(wp) }, wp)
 		}
 		d := i.newDelivery(msg)
 		// A first delivery is claimed without reading the key's attempt record, the first time
@@ -218,10 +229,6 @@ func (i *Inbox) deliverRecovering(d *delivery, h message.HandlerFunc) (f *failur
 	panicked = false
 	return f, false, nil
 }
-
-// enteredKey marks, in the received message's context, that the immediate inbox has run a
-// delivery of this message object: a second call with it is a re-entry (an outer Retry).
-type enteredKey struct{}
 
 // delivery is one call of the middleware: the message as received, its key, and what
 // happened to it so far.

@@ -266,3 +266,50 @@ func TestResentDeadLetteredKeyWhoseFailCannotBeRecorded(t *testing.T) {
 		t.Fatalf("stats %+v; want 1 dead letter and 1 skip", s)
 	}
 }
+
+// TestCanonicalRetryResetContextReadsTheRecord: the documented Retry{ResetContextOnRetry: true}
+// restores the context from before the inbox's first call on every retry; the re-entry is still
+// known (by the message object) and reads the record, so the try that succeeds clears it.
+func TestCanonicalRetryResetContextReadsTheRecord(t *testing.T) {
+	e := newEnv(t, 4)
+	dl := newDeadLetters(t)
+	ib := e.inbox("billing", withDeadLetters(dl, 3), func(c *inbox.Config) { c.Redelivery = redeliveryFromFlag })
+	var tries atomic.Int32
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if tries.Add(1) == 1 {
+			return nil, errors.New("ledger briefly unavailable")
+		}
+		return e.credit(msg)
+	})
+	h = wmmiddleware.Timeout(time.Second)(h)
+	h = wmmiddleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(h)
+	if err := deliver(h, paymentMsg("m-reset", 2, 5)); err != nil {
+		t.Fatal(err)
+	}
+	if n, le, _ := e.attemptsRow("m-reset"); n != 0 {
+		t.Fatalf("attempt row left with %d attempts, last error %q after the message was processed", n, le)
+	}
+	e.settled(dl, 2, 5)
+}
+
+// TestCanonicalRetryResetContextSkipsAResentDeadLetter: with the documented Retry, a resent
+// dead-lettered message runs its handler once; the re-entry reads the record and is skipped.
+func TestCanonicalRetryResetContextSkipsAResentDeadLetter(t *testing.T) {
+	e := newEnv(t, 4)
+	dl := newDeadLetters(t)
+	ib := e.inbox("billing", withDeadLetters(dl, 1), func(c *inbox.Config) { c.Redelivery = redeliveryFromFlag })
+	inner := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		e.runs.Add(1)
+		return nil, errors.New("downstream timeout")
+	})
+	if err := deliver(inner, paymentMsg("m-dl-reset", 3, 1)); err != nil { // MaxAttempts 1: dead-lettered
+		t.Fatal(err)
+	}
+	dl.wait(t, 1)
+	e.runs.Store(0)
+	h := wmmiddleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(inner)
+	err := deliver(h, paymentMsg("m-dl-reset", 3, 1))
+	if r, s := e.runs.Load(), ib.Stats(); r != 1 || s.DeadLetteredSkips != 1 || err != nil {
+		t.Fatalf("handler runs %d, stats %+v, err %v; want 1 run, 1 skip, acked", r, s, err)
+	}
+}

@@ -98,3 +98,18 @@ func TestMootDeadLettersGoWithTheirRows(t *testing.T) {
 		}
 	}
 }
+
+// TestCompactReplayOfANonUUIDDeadLetter: a dead letter whose key the compact table cannot hold
+// (kept in the attempts table from the text layout, which a conversion leaves as it is) is
+// replayed, not refused with a uuid cast error.
+func TestCompactReplayOfANonUUIDDeadLetter(t *testing.T) {
+	s, _ := layoutStore(t, 4, pgstore.Config{Layout: pgstore.LayoutCompact})
+	ctx := context.Background()
+	k := inbox.Key{MessageID: "order-17", ConsumerName: "billing"}
+	if err := s.MarkDeadLettered(ctx, inbox.AttemptParams{Key: k, Error: "failed 3 of 3 attempts"}); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := s.Replay(ctx, inbox.AttemptParams{Key: k}); err != nil || !ok {
+		t.Fatalf("Replay of a dead letter never processed = %v, %v; want true", ok, err)
+	}
+}

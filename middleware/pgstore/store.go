@@ -667,9 +667,14 @@ func (s *Store) MarkDeadLettered(ctx context.Context, p inbox.AttemptParams) err
 // the inbox row is purged.
 func (s *Store) Replay(ctx context.Context, p inbox.AttemptParams) (bool, error) {
 	var unprocessed bool
+	processed := " RETURNING NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE " + s.keyMatch + ")"
+	if s.cfg.Layout == LayoutCompact && !canonicalUUID(p.Key.MessageID) {
+		// A record kept from the text layout (the conversion leaves the attempts table as it
+		// is): the compact table cannot hold its key, so it is not processed.
+		processed = " RETURNING true"
+	}
 	err := s.pool.QueryRow(ctx, "DELETE FROM "+s.attempts+" WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NOT NULL"+
-		" RETURNING NOT EXISTS (SELECT 1 FROM "+s.table+" WHERE "+s.keyMatch+")",
-		p.Key.MessageID, p.Key.ConsumerName).Scan(&unprocessed)
+		processed, p.Key.MessageID, p.Key.ConsumerName).Scan(&unprocessed)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil
 	}
