@@ -167,19 +167,21 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		reserveStack(len(msg.UUID))
-		// Known by the message object, not by its context: Watermill's Retry with
-		// ResetContextOnRetry (the documented order) restores the context before each retry.
-		wp := weak.Make(msg)
-		_, reentry := i.entered.LoadOrStore(wp, struct{}{})
-		if !reentry {
-			runtime.AddCleanup(msg, func(wp weak.Pointer[message.Message]) { i.entered.Delete(wp) }, wp)
-		}
 		d := i.newDelivery(msg)
 		// A first delivery is claimed without reading the key's attempt record, the first time
 		// the inbox sees this message only: an outer Retry calls it again with the same
 		// message, whose broker signal still says first delivery, after a try that may have
-		// recorded a failure (docs/design.md, "What a first delivery skips").
-		d.noRecord = i.attempts != nil && !d.countFirst && !reentry
+		// recorded a failure (docs/design.md, "What a first delivery skips"). Known by the
+		// message object, not by its context (Retry's ResetContextOnRetry, the documented
+		// order, restores it), and tracked only for such deliveries: the plain inbox and a
+		// counted delivery read nothing of it.
+		if i.attempts != nil && !d.countFirst {
+			wp := weak.Make(msg)
+			if _, reentry := i.entered.LoadOrStore(wp, struct{}{}); !reentry {
+				runtime.AddCleanup(msg, func(wp weak.Pointer[message.Message]) { i.entered.Delete(wp) }, wp)
+				d.noRecord = true
+			}
+		}
 		i.startDelivery(d)
 		f, panicked, p := i.deliverGated(d, h)
 		if !panicked {
