@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"os"
 	"os/signal"
 	"slices"
@@ -184,14 +185,14 @@ type crashStore struct {
 	members *atomic.Int64
 }
 
-func (s crashStore) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
-	if len(p.Claims) >= 2 && s.id.CompareAndSwap("", p.Claims[1].Key.MessageID) {
-		s.members.Store(int64(len(p.Claims)))
+func (s crashStore) ClaimBatch(ctx context.Context, ds []contract.Delivery) (contract.BatchTx, []contract.Claim, error) {
+	if len(ds) >= 2 && s.id.CompareAndSwap("", ds[1].Key.MessageID) {
+		s.members.Store(int64(len(ds)))
 		if s.point == crashBeforeClaim {
-			crashNow(crashBeforeClaim, p.Claims[1].Key.MessageID, len(p.Claims))
+			crashNow(crashBeforeClaim, ds[1].Key.MessageID, len(ds))
 		}
 	}
-	return s.Store.ClaimBatch(ctx, p)
+	return s.Store.ClaimBatch(ctx, ds)
 }
 
 // batchedChild is Child in the batched mode: the inbox batches up to ADAPTERTEST_BATCH_SIZE

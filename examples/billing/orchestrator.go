@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"io"
 	mrand "math/rand/v2"
 	"net/url"
@@ -342,7 +343,7 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 	if err != nil {
 		return 0, 0, err
 	}
-	defer func() { _ = claimTx.Rollback(context.WithoutCancel(ctx)) }()
+	defer func() { _, _ = claimTx.Fail(context.WithoutCancel(ctx), contract.Failure{}) }()
 	account = d.w.accountOf[last]
 
 	c, err := d.startConsumer(crashPoint{})
@@ -372,7 +373,7 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 	if _, err := lockTx.Exec(ctx, "SELECT 1 FROM "+d.accounts+" WHERE id = $1 FOR UPDATE", account); err != nil {
 		return fail(fmt.Errorf("lock account %d: %w", account, err))
 	}
-	if err := claimTx.Rollback(ctx); err != nil {
+	if _, err := claimTx.Fail(ctx, contract.Failure{}); err != nil {
 		return fail(fmt.Errorf("release the claim of the last payment: %w", err))
 	}
 
@@ -412,7 +413,7 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 // holdLastClaim claims, through the store as a consumer would (so the key's lock is held too),
 // the last-sent payment the inbox has not recorded yet, and leaves the claim uncommitted. It
 // returns the claim's transaction and the payment's index in d.w.ids.
-func (d *demo) holdLastClaim(ctx context.Context) (inbox.Tx, int, error) {
+func (d *demo) holdLastClaim(ctx context.Context) (contract.Tx, int, error) {
 	for range 10 {
 		rows, err := d.pool.Query(ctx, "SELECT message_id FROM "+d.store.Table()+" WHERE consumer_name = $1", consumerName)
 		if err != nil {
@@ -436,9 +437,9 @@ func (d *demo) holdLastClaim(ctx context.Context) (inbox.Tx, int, error) {
 			return nil, 0, errors.New("every payment is already processed: no mid-stream kill possible")
 		}
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		tx, res, err := d.store.Claim(cctx, inbox.ClaimParams{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
+		tx, res, err := d.store.Claim(cctx, contract.Delivery{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
 		cancel()
-		if err == nil && res.Claimed {
+		if err == nil && res.Decision == contract.Run {
 			return tx, last, nil
 		}
 		if err != nil && !errors.Is(err, pgstore.ErrClaimInFlight) {

@@ -232,18 +232,6 @@ func (w *Workers) release(rows []claimedRow, token uuid.UUID) {
 	}
 }
 
-// workerTx is a row's transaction as an inbox.Tx, for the outbox.
-type workerTx struct{ tx pgx.Tx }
-
-func (t workerTx) Context(ctx context.Context) context.Context {
-	return pgstore.ContextWithTx(ctx, t.tx)
-}
-func (t workerTx) Commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
-func (t workerTx) Rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
-func (t workerTx) PgxTx() pgx.Tx                      { return t.tx }
-
-var _ pgstore.PgxTxer = workerTx{}
-
 // process handles one claimed row: it counts the attempt durably and locks the row (fenced by
 // the token) in one round trip, runs the handler in the row's transaction, marks the row done
 // and commits; or records the failure.
@@ -386,7 +374,7 @@ func (w *Workers) run(msg *message.Message, txCtx context.Context, tx pgx.Tx) (e
 	if w.ib.cfg.Outbox == nil {
 		return inbox.ErrProducedMessages
 	}
-	if err := w.ib.cfg.Outbox.Store(txCtx, workerTx{tx}, w.ib.cfg.PublishTopic, produced); err != nil {
+	if err := w.ib.cfg.Outbox.Store(txCtx, w.ib.cfg.PublishTopic, produced); err != nil {
 		return fmt.Errorf("deferred: storing %d produced messages in the outbox: %w", len(produced), err)
 	}
 	return nil

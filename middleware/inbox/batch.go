@@ -1,7 +1,6 @@
 package inbox
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -13,6 +12,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 )
 
 // Group commit (the batched mode): deliveries that reach the inbox at the same time share one
@@ -78,8 +79,8 @@ func (c *BatchConfig) setDefaults() {
 	}
 }
 
-// validate checks c against the store; store is the Config's.
-func (c BatchConfig) validate(store Store) error {
+// validate checks c.
+func (c BatchConfig) validate() error {
 	switch {
 	case c.Size < 0 || c.Linger < 0:
 		return fmt.Errorf("%w: Batch.Size and Batch.Linger must not be negative", ErrInvalidConfig)
@@ -88,28 +89,13 @@ func (c BatchConfig) validate(store Store) error {
 	case c.Mode != BatchOptimistic && c.Mode != BatchSavepoints:
 		return fmt.Errorf("%w: unknown Batch.Mode %d", ErrInvalidConfig, c.Mode)
 	}
-	bs, ok := store.(BatchStore)
-	if c.Size > 1 && !ok {
-		return fmt.Errorf("%w: Batch.Size %d needs a Store that implements BatchStore (group commit); %T does not", ErrInvalidConfig, c.Size, store)
-	}
-	if c.Size > 1 {
-		if err := bs.BatchSupported(); err != nil {
-			return fmt.Errorf("%w: Batch.Size %d: %w", ErrInvalidConfig, c.Size, err)
-		}
-	}
 	return nil
 }
 
-// errSwallowed is the failure of a member whose handler returned nil although one of its
-// statements failed (the transaction is aborted): in the immediate mode COMMIT would answer
-// ROLLBACK for it.
-var errSwallowed = errors.New("inbox: a statement of the handler failed but the handler returned nil; the transaction is aborted")
-
 // batcher gathers deliveries into batches.
 type batcher struct {
-	store BatchStore
-	mu    sync.Mutex
-	open  *batch // gathering; nil when none
+	mu   sync.Mutex
+	open *batch // gathering; nil when none
 }
 
 // batch is a set of deliveries of distinct keys that share one transaction.
@@ -140,7 +126,6 @@ type member struct {
 
 type turn struct {
 	ctx context.Context // the member's context carrying the batch transaction
-	tx  BatchTx
 }
 
 // memberRun is what a member's handler run returned.
@@ -216,11 +201,11 @@ func (b *batcher) join(i *Inbox, m *member) bool {
 			i.runBatch(bt)
 		})
 	}
-	if _, dup := bt.keys[m.d.params.Key]; dup {
+	if _, dup := bt.keys[m.d.claim.Key]; dup {
 		b.mu.Unlock()
 		return false
 	}
-	bt.keys[m.d.params.Key] = struct{}{}
+	bt.keys[m.d.claim.Key] = struct{}{}
 	m.batch = bt
 	bt.members = append(bt.members, m)
 	full := len(bt.members) >= i.cfg.Batch.Size
@@ -283,7 +268,7 @@ func (i *Inbox) runMember(m *member, t turn) (r memberRun) {
 	start := time.Now()
 	produced, err := m.h(m.d.handlerMessage(hctx))
 	if err == nil && len(produced) > 0 {
-		err = i.storeProduced(hctx, t.tx, produced, m.d.msg)
+		err = i.storeProduced(hctx, produced, m.d.msg)
 	}
 	r.handler, r.err = time.Since(start), err
 	normal = true
@@ -322,7 +307,7 @@ func (i *Inbox) runBatch(bt *batch) {
 	}
 	// Keys in one order in every batch: two batches never lock each other's keys in
 	// opposite orders.
-	slices.SortFunc(ms, func(a, b *member) int { return strings.Compare(a.d.params.Key.MessageID, b.d.params.Key.MessageID) })
+	slices.SortFunc(ms, func(a, b *member) int { return strings.Compare(a.d.claim.Key.MessageID, b.d.claim.Key.MessageID) })
 	backoff := i.cfg.TxRetryBackoff
 	for retry := 0; ; retry++ {
 		live := ms[:0:0]
@@ -357,260 +342,194 @@ func (i *Inbox) runBatch(bt *batch) {
 	}
 }
 
+// batchRun is one transaction of a batch, on the coordinator's goroutine.
+type batchRun struct {
+	i     *Inbox
+	bt    *batch
+	tx    contract.BatchTx
+	ctx   context.Context // detached from every member's: the batch belongs to none of them
+	ms    []*member
+	in    []bool // the transaction holds the member's claim
+	later []left // members taken out, finished once the transaction has ended
+}
+
 // tryBatch runs one transaction for ms. It finishes every member it settles, or sends back to
 // the immediate path, and returns the members to retry after a transient conflict, with it.
 func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr error) {
-	counted := i.attempts != nil
-	p := BatchClaimParams{Counted: counted, Isolation: i.cfg.Isolation, FinishTimeout: i.cfg.FinishTimeout}
-	for _, m := range ms {
-		p.Claims = append(p.Claims, CountedClaimParams{ClaimParams: m.d.params, CountFirst: m.d.countFirst && !m.d.counted, CountLimit: i.cfg.MaxAttempts})
+	ds := make([]contract.Delivery, len(ms))
+	for k, m := range ms {
+		ds[k] = m.d.claim
 	}
-	// The batch belongs to no single delivery: its work is detached from each member's
-	// context (a member cancelled meanwhile is settled by its own result) and bounded here.
 	bctx := context.WithoutCancel(ms[0].d.ctx)
 	start := time.Now()
 	cctx, cancel := context.WithTimeout(bctx, i.cfg.ClaimTimeout)
-	tx, results, err := i.batcher.store.ClaimBatch(cctx, p)
+	tx, claims, err := i.cfg.Store.ClaimBatch(cctx, ds)
 	cancel()
-	claimed := time.Since(start)
 	for _, m := range ms {
-		m.d.res.Claim = claimed
+		m.d.res.Claim = time.Since(start)
 	}
 	if err != nil {
-		if i.cfg.Store.Retryable(err) {
-			return ms, fmt.Errorf("inbox: batch claim: %w", err)
-		}
-		if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-			// The claim statement failed for the batch (one member's row refused, such as
-			// a period without a partition): nothing says whose. Each member runs again
-			// alone, where a failure is its own and the others are not nacked for it.
-			// A claim that ran out of time (a key in flight, no free connection) is not
-			// repeated member by member: they are nacked.
-			for _, m := range ms {
-				again(m)
-			}
-			return nil, nil
-		}
-		for _, m := range ms {
-			finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch claim: %w", err)})
-		}
-		return nil, nil
+		return i.batchClaimFailed(ms, err)
 	}
-
-	// in: members whose claim the transaction holds; later: members taken out of the batch,
-	// settled once the transaction has ended.
-	in := make([]bool, len(ms))
-	var later []left
-	abort := func(cause error) {
-		// The transaction cannot go on (a store error): roll back; everyone still in it is
-		// nacked.
-		rerr := tx.Rollback(bctx)
-		for k, m := range ms {
-			if in[k] {
-				if rerr == nil {
-					m.d.counted = false // Rollback took its count back
-				}
-				finish(m, &failure{kind: failInfrastructure, err: cause})
-			}
-		}
-		for _, l := range later {
-			finish(l.m, l.f)
-		}
-	}
+	r := &batchRun{i: i, bt: bt, tx: tx, ctx: bctx, ms: ms, in: make([]bool, len(ms))}
 	for k, m := range ms {
-		d, res := m.d, results[k]
-		if res.Counted {
-			d.counted = true
-		}
-		switch {
-		case res.Record.DeadLettered:
-			d.res.Outcome = OutcomeDeadLetteredSkip
-			finish(m, nil)
-			continue
-		case !res.Claimed:
-			d.counted = false // the store takes a duplicate's count back
-			// A store may keep a prefix of the hash (ClaimResult.StoredPayloadHash).
-			if len(res.StoredPayloadHash) > 0 && !bytes.HasPrefix(d.params.PayloadHash, res.StoredPayloadHash) {
-				d.res.Outcome = OutcomeCollision
-			} else {
-				d.res.Outcome = OutcomeDuplicate
-			}
-			finish(m, nil)
-			continue
-		}
-		in[k] = true
-		d.attempts = res.Record.Attempts
-		if earlier := res.Record.Attempts - b2i(d.counted); counted && earlier >= i.cfg.MaxAttempts {
-			n, err := tx.Drop(bctx, k, FailParams{AttemptsDelta: -b2i(d.counted)})
-			in[k] = false
-			if err != nil {
-				later = append(later, left{m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim of an exhausted message: %w", err)}})
-				abort(fmt.Errorf("inbox: batch: %w", err))
-				return nil, nil
-			}
-			d.counted, d.attempts = false, n
-			d.res.Reason = exhaustedReason(earlier, i.cfg.MaxAttempts, res.Record.LastError)
-			later = append(later, left{m, &failure{kind: failMessage, err: Permanent(errors.New(d.res.Reason)), attempts: n}})
+		f, run := i.decide(m.d, claims[k])
+		if run {
+			r.in[k] = true
+		} else {
+			r.later = append(r.later, left{m, f})
 		}
 	}
+	for k := range ms {
+		if r.in[k] {
+			if ended, retry, err := r.runMember(k); ended {
+				return retry, err
+			}
+		}
+	}
+	return r.commit()
+}
 
-	savepoints := i.cfg.Batch.Mode == BatchSavepoints
-	for k, m := range ms {
-		if !in[k] {
-			continue
-		}
-		d := m.d
-		if savepoints {
-			if err := tx.Savepoint(bctx); err != nil {
-				abort(fmt.Errorf("inbox: batch savepoint: %w", err))
-				return nil, nil
-			}
-		}
-		m.turn <- turn{ctx: tx.Context(d.ctx), tx: tx}
-		r := <-bt.ran
-		d.res.Handler = r.handler
-		herr := r.err
-		if r.goexit {
-			// Not the message's failure: the member settles itself as abandoned.
-			n, err := tx.Drop(bctx, k, FailParams{AttemptsDelta: -b2i(d.counted)})
-			in[k] = false
-			if err == nil {
-				d.counted, d.attempts = false, n
-			}
-			close(m.done) // the member settles itself
-			if err != nil || !savepoints {
-				return i.rollbackAfter(tx, bctx, ms, in, later, err)
-			}
-			continue
-		}
-		if herr == nil && tx.Aborted() {
-			herr = errSwallowed
-		}
-		if herr == nil {
-			continue
-		}
-		kind := i.failKindOf(d, herr)
-		if r.panicked {
-			kind = failMessage // as in the immediate mode: a panic is always an attempt
-		}
-		if kind == failRetryable {
-			// A conflict between batches (40P01) or a serialization failure: the whole
-			// batch again.
-			rerr := tx.Rollback(bctx)
-			for j, o := range ms {
-				if in[j] {
-					if rerr == nil {
-						o.d.counted = false
-					}
-					retry = append(retry, o)
-				}
-			}
-			for _, l := range later {
-				finish(l.m, l.f)
-			}
-			return retry, herr
-		}
-		fp := FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: herr.Error()}
-		if kind != failMessage {
-			fp = FailParams{AttemptsDelta: -b2i(d.counted)}
-		}
-		if kind == failMessage && !counted {
-			fp = FailParams{}
-		}
-		n, err := tx.Drop(bctx, k, fp)
-		in[k] = false
-		f := &failure{kind: kind, err: herr}
-		if err != nil {
-			i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
-			n = d.attempts + fp.AttemptsDelta
-		}
-		d.counted, d.attempts, f.attempts = false, n, n
-		later = append(later, left{m, f})
-		if err != nil || !savepoints {
-			return i.rollbackAfter(tx, bctx, ms, in, later, err)
-		}
-	}
-
-	anyIn := slices.Contains(in, true)
-	cstart := time.Now()
-	var err2 error
-	if anyIn {
-		err2 = tx.Commit(bctx)
-	} else {
-		err2 = tx.Rollback(bctx)
-	}
-	took := time.Since(cstart)
-	defer func() {
-		for _, l := range later {
-			finish(l.m, l.f)
-		}
-	}()
-	if !anyIn {
-		return nil, nil
-	}
-	for k, m := range ms {
-		if in[k] {
-			m.d.res.Commit = took
-		}
-	}
+// batchClaimFailed settles the members of a batch whose claim failed.
+func (i *Inbox) batchClaimFailed(ms []*member, err error) ([]*member, error) {
+	err = fmt.Errorf("inbox: batch claim: %w", err)
 	switch {
-	case err2 == nil:
-		for k, m := range ms {
-			if in[k] {
-				m.d.counted = false // the commit cleared the attempt record
-				m.d.res.Outcome = OutcomeProcessed
-				finish(m, nil)
-			}
+	case i.cfg.Store.Classify(err) == contract.Retryable:
+		return ms, err
+	case !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled):
+		// The claim statement failed for the batch (one member's row refused, such as a
+		// period without a partition): nothing says whose. Each member runs again alone,
+		// where a failure is its own and the others are not nacked for it.
+		for _, m := range ms {
+			again(m)
 		}
-		return nil, nil
-	case i.cfg.Store.Retryable(err2):
-		for k, m := range ms {
-			if in[k] {
-				m.d.counted = false // rolled back for certain: the store took the counts back
-				retry = append(retry, m)
-			}
-		}
-		return retry, fmt.Errorf("inbox: batch commit: %w", err2)
-	case errors.Is(err2, ErrCommitRolledBack):
-		// Rolled back for certain, and nothing says whose doing it was (a deferred
-		// constraint): each member runs again alone, where a failure is its own.
-		configFault := i.configurationFault(err2)
-		for k, m := range ms {
-			if in[k] {
-				m.d.counted = false
-				if configFault {
-					finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch commit: %w", err2)})
-				} else {
-					again(m)
-				}
-			}
-		}
-		return nil, nil
-	}
-	// The outcome is unknown: nack every member; the redeliveries are duplicates where it
-	// committed.
-	for k, m := range ms {
-		if in[k] {
-			finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch commit (outcome unknown): %w", err2)})
+	default:
+		// Out of time (a key in flight, no free connection): not repeated member by member.
+		for _, m := range ms {
+			finish(m, &failure{kind: failInfrastructure, err: err})
 		}
 	}
 	return nil, nil
 }
 
-// rollbackAfter ends the batch after a member left it in the optimistic design (or after a
-// store error): the transaction rolls back, the members that left are settled, and the
-// others run again alone; a store error (cause) nacks them instead.
-func (i *Inbox) rollbackAfter(tx BatchTx, ctx context.Context, ms []*member, in []bool, later []left, cause error) ([]*member, error) {
-	rerr := tx.Rollback(ctx)
-	for _, l := range later {
-		finish(l.m, l.f)
+// runMember gives member k its turn and deals with how its handler ended. ended reports that
+// the batch is over (rolled back, with retry to run again after a transient conflict).
+func (r *batchRun) runMember(k int) (ended bool, retry []*member, retryErr error) {
+	i, m, d := r.i, r.ms[k], r.ms[k].d
+	savepoints := i.cfg.Batch.Mode == BatchSavepoints
+	if savepoints {
+		if err := r.tx.Savepoint(r.ctx); err != nil {
+			r.rollbackAfter(fmt.Errorf("inbox: batch savepoint: %w", err))
+			return true, nil, nil
+		}
 	}
-	for k, m := range ms {
-		if !in[k] {
+	m.turn <- turn{ctx: r.tx.Context(d.ctx)}
+	run := <-r.bt.ran
+	d.res.Handler = run.handler
+	herr := run.err
+	if herr == nil && !run.goexit {
+		herr = r.tx.Healthy() // a swallowed failed statement, or the handler ended the transaction
+	}
+	if herr == nil && !run.goexit {
+		return false, nil, nil
+	}
+	kind := failAbandoned // runtime.Goexit: the member settles itself as abandoned
+	switch {
+	case run.goexit:
+	case run.panicked, errors.Is(herr, ErrTxEnded):
+		kind = failMessage // as in the immediate mode
+	default:
+		kind = i.failKindOf(d, herr)
+	}
+	if kind == failRetryable {
+		// A conflict between batches (40P01) or a serialization failure: the whole batch again.
+		_ = r.tx.Rollback(r.ctx)
+		for j, o := range r.ms {
+			if r.in[j] {
+				retry = append(retry, o)
+			}
+		}
+		r.finishLater()
+		return true, retry, herr
+	}
+	n, err := r.tx.Drop(r.ctx, k, contract.Failure{Counts: kind == failMessage, Error: errText(herr)})
+	r.in[k] = false
+	if err != nil {
+		i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+	}
+	d.attempts = n
+	if run.goexit {
+		close(m.done) // the member settles itself
+	} else {
+		r.later = append(r.later, left{m, &failure{kind: kind, err: herr, attempts: n}})
+	}
+	if err != nil || !savepoints || r.tx.Healthy() != nil {
+		r.rollbackAfter(err)
+		return true, nil, nil
+	}
+	return false, nil, nil
+}
+
+func errText(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// commit ends the batch with COMMIT (or ROLLBACK when no member is left in it) and settles
+// every member.
+func (r *batchRun) commit() ([]*member, error) {
+	i := r.i
+	defer r.finishLater()
+	if !slices.Contains(r.in, true) {
+		_ = r.tx.Rollback(r.ctx)
+		return nil, nil
+	}
+	start := time.Now()
+	err := r.tx.Commit(r.ctx)
+	took := time.Since(start)
+	var retry []*member
+	for k, m := range r.ms {
+		if !r.in[k] {
 			continue
 		}
-		if rerr == nil {
-			m.d.counted = false // Rollback took its count back
+		m.d.res.Commit = took
+		switch {
+		case err == nil:
+			m.d.res.Outcome = OutcomeProcessed
+			finish(m, nil)
+		case i.cfg.Store.Classify(err) == contract.Retryable:
+			retry = append(retry, m)
+		case errors.Is(err, ErrCommitRolledBack) && i.cfg.Store.Classify(err) != contract.ConfigFault:
+			// Rolled back for certain, and nothing says whose doing it was (a deferred
+			// constraint): each member runs again alone, where a failure is its own.
+			again(m)
+		case errors.Is(err, ErrCommitRolledBack):
+			finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch commit: %w", err)})
+		default:
+			// The outcome is unknown: nack; the redeliveries are duplicates where it committed.
+			finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch commit (outcome unknown): %w", err)})
+		}
+	}
+	if err != nil {
+		i.configurationFault(err)
+	}
+	if len(retry) > 0 {
+		return retry, fmt.Errorf("inbox: batch commit: %w", err)
+	}
+	return nil, nil
+}
+
+// rollbackAfter ends the batch after a member left it in the optimistic design (or after a
+// store error, cause): the transaction rolls back, the members that left are settled, and
+// the others run again alone; a store error nacks them instead.
+func (r *batchRun) rollbackAfter(cause error) {
+	_ = r.tx.Rollback(r.ctx)
+	r.finishLater()
+	for k, m := range r.ms {
+		if !r.in[k] {
+			continue
 		}
 		if cause != nil {
 			finish(m, &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: batch: %w", cause)})
@@ -618,18 +537,12 @@ func (i *Inbox) rollbackAfter(tx BatchTx, ctx context.Context, ms []*member, in 
 		}
 		again(m)
 	}
-	return nil, nil
 }
 
-// failKindOf classifies a handler (or outbox) error of delivery d, as failTx does.
-func (i *Inbox) failKindOf(d *delivery, herr error) failKind {
-	switch {
-	case i.cfg.Store.Retryable(herr):
-		return failRetryable
-	case i.configurationFault(herr), errors.Is(herr, ErrProducedMessages), errors.Is(herr, ErrNoPublishTopic):
-		return failInfrastructure
-	case errors.Is(d.ctx.Err(), context.Canceled):
-		return failAbandoned
+// finishLater finishes the members taken out of the batch, once its transaction has ended.
+func (r *batchRun) finishLater() {
+	for _, l := range r.later {
+		finish(l.m, l.f)
 	}
-	return failMessage
+	r.later = nil
 }

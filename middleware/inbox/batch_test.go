@@ -17,7 +17,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 var batchModes = []inbox.BatchMode{inbox.BatchOptimistic, inbox.BatchSavepoints}

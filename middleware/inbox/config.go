@@ -98,7 +98,7 @@ type Config struct {
 	MaxTxRetryBackoff time.Duration
 
 	// DeadLetterPublisher and DeadLetterTopic, set together, turn on durable attempt counting
-	// and dead letters (the Store must implement AttemptStore): a message is published to
+	// and dead letters: a message is published to
 	// DeadLetterTopic, then acked, when its handler failed MaxAttempts times (crashes
 	// included, see docs/design.md "Attempt accounting" for what counts), or returned a
 	// permanent error (see IsPermanent), or its key is invalid, or its key collides. If the
@@ -141,10 +141,10 @@ type Config struct {
 	Outbox Outbox
 
 	// ProducerTime, when set, reads when the producer created each message; the claim carries
-	// it (ClaimParams.ProducerTime) so a store partitioned by producer time files every copy
-	// of a message in the same partition. Required by such a store (see ClaimChecker). A
-	// message it cannot read a time from is refused as an invalid key.
-	ProducerTime ProducerTimeReader
+	// it so a store partitioned by producer time files every copy of a message in the same
+	// partition; New refuses such a store without it. A message it cannot read a time from
+	// is refused as an invalid key.
+	ProducerTime ProducerTimeFunc
 
 	// Observer, when set, is told how every delivery ended (see Result): the hook for
 	// metrics and tracing. It runs on the delivery's goroutine after the outcome is settled
@@ -156,7 +156,7 @@ type Config struct {
 	Tracer Tracer
 
 	// Batch turns on group commit: deliveries in the inbox at the same moment share one
-	// transaction and one COMMIT (the Store must implement BatchStore). The zero value is off:
+	// transaction and one COMMIT. The zero value is off:
 	// one transaction per delivery. See BatchConfig and docs/design.md, "Batched mode".
 	Batch BatchConfig
 
@@ -204,10 +204,9 @@ func (c *Config) setDefaults() {
 
 // Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
-// without a topic (or the reverse), a dead-letter topic on a Store that is not an
-// AttemptStore, MaxAttempts below 1, a Store that needs producer times (ClaimChecker) without
-// ProducerTime, an unknown collision policy, a Batch setting that is negative, above
-// MaxBatchSize, of an unknown Mode, or on a Store that is not a BatchStore, or a TooOld guard
+// without a topic (or the reverse), MaxAttempts below 1, a Store that needs producer times
+// without ProducerTime, an unknown collision policy, a Batch setting that is negative, above
+// MaxBatchSize or of an unknown Mode, or a TooOld guard
 // without a window (none set and the Store has no retention window) or with a negative
 // duration. New calls it after filling defaults.
 func (c Config) Validate() error {
@@ -228,9 +227,6 @@ func (c Config) Validate() error {
 	if (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == "") {
 		return fmt.Errorf("%w: DeadLetterPublisher and DeadLetterTopic must be set together", ErrInvalidConfig)
 	}
-	if _, ok := c.Store.(AttemptStore); c.DeadLetterPublisher != nil && !ok {
-		return fmt.Errorf("%w: a dead-letter topic needs a Store that implements AttemptStore (durable attempt counting); %T does not", ErrInvalidConfig, c.Store)
-	}
 	if c.MaxAttempts < 1 {
 		return fmt.Errorf("%w: MaxAttempts must be at least 1", ErrInvalidConfig)
 	}
@@ -239,13 +235,13 @@ func (c Config) Validate() error {
 			return err
 		}
 	}
-	if err := validateProducerTime(c); err != nil {
-		return err
+	if c.Store.NeedsProducerTime() && c.ProducerTime == nil {
+		return fmt.Errorf("%w: the Store files claims by producer time (a partitioned table): set ProducerTime", ErrInvalidConfig)
 	}
 	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {
 		return fmt.Errorf("%w: unknown OnKeyCollision policy %d", ErrInvalidConfig, c.OnKeyCollision)
 	}
-	if err := c.Batch.validate(c.Store); err != nil {
+	if err := c.Batch.validate(); err != nil {
 		return err
 	}
 	return c.TooOld.Validate()

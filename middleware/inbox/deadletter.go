@@ -31,7 +31,7 @@ func (i *Inbox) deadLetter(d *delivery, mark bool) error {
 	dl.Metadata.Set(wmmiddleware.PoisonedSubscriberKey, message.SubscriberNameFromCtx(ctx))
 	dl.Metadata.Set(DeadLetterAttemptsKey, strconv.Itoa(d.res.Attempts))
 	dl.Metadata.Set(DeadLetterConsumerKey, i.cfg.ConsumerName)
-	dl.Metadata.Set(DeadLetterMessageKeyKey, d.params.Key.MessageID)
+	dl.Metadata.Set(DeadLetterMessageKeyKey, d.claim.Key.MessageID)
 	fields := watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID), "attempts": d.res.Attempts, "dead_letter_topic": i.cfg.DeadLetterTopic}
 	pctx, endPhase := i.startPhase(ctx, PhaseDeadLetter)
 	i.inject(pctx, PhaseDeadLetter, dl)
@@ -44,7 +44,7 @@ func (i *Inbox) deadLetter(d *delivery, mark bool) error {
 	if mark {
 		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), i.cfg.FinishTimeout)
 		defer cancel()
-		if err := i.attempts.MarkDeadLettered(mctx, AttemptParams{Key: d.params.Key, Error: d.res.Reason}); err != nil {
+		if err := i.cfg.Store.MarkDeadLettered(mctx, d.claim.Key, d.res.Reason); err != nil {
 			// The dead letter is out, so ack anyway: the attempt count stays at the limit,
 			// so a later delivery is dead-lettered again rather than processed.
 			i.logger.Error("Dead letter published but its state not recorded", err, fields)
@@ -69,17 +69,12 @@ func exhaustedReason(earlier, maxAttempts int, lastError string) string {
 // its UUID with the default key extractor, otherwise the business key, which a dead letter
 // carries in DeadLetterMessageKeyKey) for this consumer, so its next delivery runs the
 // handler again; republish the dead letter to the handler's topic after it. It reports
-// whether the message was dead-lettered; an *InvalidKeyError for an invalid messageID, and an
-// error wrapping ErrInvalidConfig when the Store is not an AttemptStore.
+// whether the message was dead-lettered, or an *InvalidKeyError for an invalid messageID.
 func (i *Inbox) Replay(ctx context.Context, messageID string) (bool, error) {
 	if err := ValidateKey("message ID", messageID); err != nil {
 		return false, err
 	}
-	as, ok := i.cfg.Store.(AttemptStore)
-	if !ok {
-		return false, fmt.Errorf("%w: Replay needs a Store that implements AttemptStore; %T does not", ErrInvalidConfig, i.cfg.Store)
-	}
-	return as.Replay(ctx, AttemptParams{Key: Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName}})
+	return i.cfg.Store.Replay(ctx, Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName})
 }
 
 // ErrNotDeadLettered is returned by ReplayDeadLetter when the dead letter's key is not in the
@@ -104,7 +99,7 @@ var deadLetterKeys = []string{
 // repeated.
 //
 // Errors: ErrInvalidConfig (wrapped) when dl names another consumer (DeadLetterConsumerKey),
-// has no topic_poisoned, or the Store is not an AttemptStore; an *InvalidKeyError when dl
+// has no topic_poisoned; an *InvalidKeyError when dl
 // names no valid key (an invalid key's dead letter cannot be replayed); ErrNotDeadLettered
 // when the key is not dead-lettered; the publisher's error.
 func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub message.Publisher) error {
@@ -132,9 +127,8 @@ func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub m
 	}
 	m.Metadata.Set(DeadLetterReplayedKey, "true") // the TooOldGuard lets an operator's replay through
 	if err := pub.Publish(topic, m); err != nil {
-		as := i.cfg.Store.(AttemptStore) // Replay succeeded, so it is one
-		if merr := as.MarkDeadLettered(context.WithoutCancel(ctx), AttemptParams{Key: Key{MessageID: key, ConsumerName: i.cfg.ConsumerName},
-			Error: dl.Metadata.Get(wmmiddleware.ReasonForPoisonedKey)}); merr != nil {
+		if merr := i.cfg.Store.MarkDeadLettered(context.WithoutCancel(ctx), Key{MessageID: key, ConsumerName: i.cfg.ConsumerName},
+			dl.Metadata.Get(wmmiddleware.ReasonForPoisonedKey)); merr != nil {
 			return fmt.Errorf("inbox: republishing dead letter %s: %w (and restoring its dead-lettered state: %w)", safeUUID(dl.UUID), err, merr)
 		}
 		return fmt.Errorf("inbox: republishing dead letter %s: %w", safeUUID(dl.UUID), err)

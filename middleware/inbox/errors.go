@@ -37,12 +37,6 @@ var ErrKeyCollision = errors.New("inbox: key collision: the key was already proc
 // handler under that setup. Remove InstantAck. It is permanent (see IsPermanent).
 var ErrAckedBeforeHandler = errors.New("inbox: message was acked before the inbox ran (InstantAck?); ack must follow the commit")
 
-// ErrCommitRolledBack is wrapped by a Tx.Commit error when the server definitely rolled the
-// transaction back instead of committing it (PostgreSQL answers COMMIT with ROLLBACK after a
-// failed statement; pgx reports pgx.ErrTxCommitRollback). A commit error without it has an
-// unknown outcome: the inbox then nacks and never dead-letters, because the transaction may
-// have committed and the redelivery will tell.
-var ErrCommitRolledBack = errors.New("inbox: commit rolled back")
 
 // ErrInvalidConfig wraps every configuration error returned by New and by store constructors.
 var ErrInvalidConfig = errors.New("inbox: invalid configuration")

@@ -76,13 +76,6 @@ func (i *Inbox) leaveGate(d *delivery) {
 	d.gate = gateNone
 }
 
-// suspect reports whether d, claimed with rec and earlier attempts before its own, must run
-// alone: its key has attempts that ended unsettled (no error recorded), it does not run alone
-// already, and isolation has not given up on it.
-func (i *Inbox) suspect(d *delivery, earlier int, rec AttemptRecord) bool {
-	return i.gate != nil && d.gate == gateShared && !d.isolationTried && earlier > 0 && rec.LastError == ""
-}
-
 // isolate turns d's shared hold into an exclusive one: it waits until no other delivery of
 // this Inbox holds the gate, at most ClaimTimeout. Past that (a handler of this Inbox that
 // waits for another delivery of it, or handlers longer than ClaimTimeout), or when d's context

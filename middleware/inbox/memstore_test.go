@@ -18,7 +18,7 @@ import (
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 type recorder struct {

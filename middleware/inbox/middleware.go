@@ -8,20 +8,18 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
-	"runtime"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 	"unicode"
-	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"golang.org/x/sync/semaphore"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 )
 
@@ -63,13 +61,8 @@ type Stats struct {
 // Inbox is the transactional inbox middleware for one consumer. It is safe for concurrent use
 // by any number of deliveries; each holds one store connection while it runs.
 type Inbox struct {
-	// entered holds the message objects the immediate inbox has run a delivery of (weak
-	// pointers, deleted once a message is garbage): a second call with one is a re-entry
-	// (an outer Retry), which reads the attempt record.
-	entered sync.Map
-
 	cfg      Config
-	attempts AttemptStore // set when a dead-letter topic is configured
+	counting bool // a dead-letter topic is configured: attempts are counted durably
 	logger   watermill.LoggerAdapter
 	keys     keyWindow // recent key validity, for the InvalidKeyBrake
 	batcher  *batcher  // set in the batched mode (Config.Batch)
@@ -97,13 +90,11 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	// Every field and error text with a control character is quoted (internal/redact.Escape):
 	// a key, or an error that quotes one, cannot forge a log line.
 	i := &Inbox{cfg: cfg, logger: redact.Escape(logger).With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
-	if cfg.DeadLetterPublisher != nil {
-		i.attempts = cfg.Store.(AttemptStore) // checked by Validate
-	}
+	i.counting = cfg.DeadLetterPublisher != nil
 	if cfg.Batch.Size > 1 {
-		i.batcher = &batcher{store: cfg.Store.(BatchStore)} // checked by Validate
+		i.batcher = &batcher{}
 	}
-	if i.attempts != nil && i.batcher == nil {
+	if i.counting && i.batcher == nil {
 		i.gate = newGate()
 	}
 	return i, nil
@@ -168,20 +159,6 @@ func (i *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		reserveStack(len(msg.UUID))
 		d := i.newDelivery(msg)
-		// A first delivery is claimed without reading the key's attempt record, the first time
-		// the inbox sees this message only: an outer Retry calls it again with the same
-		// message, whose broker signal still says first delivery, after a try that may have
-		// recorded a failure (docs/design.md, "What a first delivery skips"). Known by the
-		// message object, not by its context (Retry's ResetContextOnRetry, the documented
-		// order, restores it), and tracked only for such deliveries: the plain inbox and a
-		// counted delivery read nothing of it.
-		if i.attempts != nil && !d.countFirst {
-			wp := weak.Make(msg)
-			if _, reentry := i.entered.LoadOrStore(wp, struct{}{}); !reentry {
-				runtime.AddCleanup(msg, func(wp weak.Pointer[message.Message]) { i.entered.Delete(wp) }, wp)
-				d.noRecord = true
-			}
-		}
 		i.startDelivery(d)
 		f, panicked, p := i.deliverGated(d, h)
 		if !panicked {
@@ -235,31 +212,28 @@ func (i *Inbox) deliverRecovering(d *delivery, h message.HandlerFunc) (f *failur
 // delivery is one call of the middleware: the message as received, its key, and what
 // happened to it so far.
 type delivery struct {
-	msg        *message.Message // as received; never handed to the handler
-	ctx        context.Context  // msg.Context() at entry
-	params     ClaimParams
-	keyErr     error // the key is invalid (params.Key is empty)
-	braked     bool  // invalid, during an invalid-key flood (InvalidKeyBrake)
-	countFirst bool  // count durably before the first claim (a possible redelivery)
-	noRecord   bool  // claim without reading the attempt record (CountedClaimParams.NoRecord)
+	msg    *message.Message  // as received; never handed to the handler
+	ctx    context.Context   // msg.Context() at entry
+	claim  contract.Delivery // what the store is asked
+	keyErr error             // the key is invalid (claim.Key is empty)
+	braked bool              // invalid, during an invalid-key flood (InvalidKeyBrake)
 	// gate is what the delivery holds of the crash-isolation gate; isolationTried is set
 	// once it asked to run alone (isolation.go).
 	gate           gateHold
 	isolationTried bool
 	isolatedRan    bool // counted in Stats.Isolated
-	counted        bool // this delivery's count is in the store
-	attempts       int  // the attempt count after the last recorded change, when counted
+	attempts       int  // the key's attempt count as the store last reported it
 	res            Result
 	traceEnd       func(Result) // Config.Tracer's end of the delivery, until called
-	// payloadHash backs params.PayloadHash (SHA-256 of the payload as received).
+	// payloadHash backs claim.PayloadHash (SHA-256 of the payload as received).
 	payloadHash [sha256.Size]byte
 }
 
 func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 	d := &delivery{msg: msg, ctx: msg.Context()}
 	d.res.MessageUUID = msg.UUID
-	d.params.Isolation = i.cfg.Isolation
-	d.params.FinishTimeout = i.cfg.FinishTimeout
+	d.claim.Isolation = i.cfg.Isolation
+	d.claim.FinishTimeout = i.cfg.FinishTimeout
 	select {
 	case <-msg.Acked():
 		d.keyErr = ErrAckedBeforeHandler
@@ -272,8 +246,9 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 		d.keyErr = Permanent(fmt.Errorf("inbox: extracting key from %s: %w", source, err))
 	} else if err := ValidateKey(source, key); err != nil {
 		d.keyErr = err
-	} else if err := i.checkClaim(msg, source, key, &d.params); err != nil {
-		d.keyErr = err
+	} else {
+		d.claim.Key = Key{MessageID: key, ConsumerName: i.cfg.ConsumerName}
+		d.keyErr = i.checkClaim(msg, source, &d.claim)
 	}
 	if !i.cfg.InvalidKeyBrake.Disabled {
 		brake, warn := i.keys.observe(i.cfg.InvalidKeyBrake, d.keyErr != nil)
@@ -286,20 +261,21 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 		}
 	}
 	if d.keyErr != nil {
+		d.claim.Key = Key{}
 		i.invalidKeys.Add(1)
 		i.logger.Error("Message refused: invalid key", d.keyErr, watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
 		return d
 	}
-	d.params.Key = Key{MessageID: key, ConsumerName: i.cfg.ConsumerName}
-	d.res.Key = d.params.Key
-	d.params.CorrelationID = validOrEmpty(wmmiddleware.MessageCorrelationID(msg))
+	d.res.Key = d.claim.Key
+	d.claim.CorrelationID = validOrEmpty(wmmiddleware.MessageCorrelationID(msg))
 	if i.cfg.MessageTypeKey != "-" {
-		d.params.MessageType = validOrEmpty(msg.Metadata.Get(i.cfg.MessageTypeKey))
+		d.claim.MessageType = validOrEmpty(msg.Metadata.Get(i.cfg.MessageTypeKey))
 	}
 	d.payloadHash = sha256.Sum256(msg.Payload) // held in d: no allocation of its own
-	d.params.PayloadHash = d.payloadHash[:]
-	if i.attempts != nil {
-		d.countFirst = i.cfg.Redelivery == nil || i.cfg.Redelivery(msg) != FirstDelivery
+	d.claim.PayloadHash = d.payloadHash[:]
+	if i.counting {
+		d.claim.MaxAttempts = i.cfg.MaxAttempts
+		d.claim.CountFirst = i.cfg.Redelivery == nil || i.cfg.Redelivery(msg) != FirstDelivery
 	}
 	return d
 }
@@ -385,33 +361,13 @@ func (i *Inbox) deliver(d *delivery, h message.HandlerFunc) *failure {
 
 // try runs one transaction: claim, handler, commit. It returns nil when it settled the
 // delivery (d.res.Outcome is set), or the failure.
-func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
+func (i *Inbox) try(d *delivery, h message.HandlerFunc) *failure {
 	start := time.Now()
 	phaseCtx, endClaim := i.startPhase(d.ctx, PhaseClaim)
 	claimCtx, cancel := context.WithTimeout(phaseCtx, i.cfg.ClaimTimeout)
-	var (
-		tx        Tx
-		counted   CountedTx
-		claimed   bool
-		storedSum []byte
-		rec       AttemptRecord
-		err       error
-	)
-	if i.attempts != nil {
-		var res CountedClaimResult
-		counted, res, err = i.attempts.ClaimCounted(claimCtx, CountedClaimParams{ClaimParams: d.params, CountFirst: d.countFirst && !d.counted, CountLimit: i.cfg.MaxAttempts, NoRecord: d.noRecord && !d.counted})
-		if counted != nil {
-			tx = counted
-		}
-		claimed, storedSum, rec = res.Claimed, res.StoredPayloadHash, res.Record
-		if res.Counted {
-			d.counted = true
-		}
-	} else {
-		var res ClaimResult
-		tx, res, err = i.cfg.Store.Claim(claimCtx, d.params)
-		claimed, storedSum = res.Claimed, res.StoredPayloadHash
-	}
+	q := d.claim
+	q.Isolate = i.gate != nil && d.gate == gateShared && !d.isolationTried
+	tx, c, err := i.cfg.Store.Claim(claimCtx, q)
 	cancel()
 	d.res.Claim = time.Since(start)
 	endClaim(err)
@@ -420,48 +376,39 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		i.configurationFault(err) // a missing privilege or table is logged at ERROR
 		return &failure{kind: failInfrastructure, err: err}
 	}
-	switch {
-	case rec.DeadLettered:
-		d.res.Outcome = OutcomeDeadLetteredSkip
-		return nil
-	case !claimed:
-		d.counted = false // the store took a duplicate's count back
-		if len(storedSum) > 0 && !bytes.HasPrefix(d.params.PayloadHash, storedSum) {
-			d.res.Outcome = OutcomeCollision
-		} else {
-			d.res.Outcome = OutcomeDuplicate
-		}
-		return nil
+	if f, run := i.decide(d, c); !run {
+		return f
 	}
-	d.attempts = rec.Attempts
-	// Deliveries before this one that ran the handler without settling (this one's own
-	// count excluded).
-	earlier := rec.Attempts - b2i(d.counted)
-	if counted != nil && earlier >= i.cfg.MaxAttempts {
-		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
-		// Fail took the count back even when it reports an error (after the rollback, best
-		// effort): settleFailure must not take it back again.
-		d.counted = false
-		if err != nil {
-			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim of an exhausted message: %w", err)}
-		}
-		d.attempts = n
-		d.res.Reason = exhaustedReason(earlier, i.cfg.MaxAttempts, rec.LastError)
-		return &failure{kind: failMessage, err: Permanent(errors.New(d.res.Reason)), attempts: n}
-	}
-	if counted != nil && i.suspect(d, earlier, rec) {
-		// Earlier attempts ended unsettled (crashes): run again alone, so a crash is charged
-		// to this message only if it happens while this message runs alone. Nothing of this
-		// try is kept: its claim and its count are taken back.
-		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
-		d.counted = false // taken back even when Fail reports an error (see above)
-		if err != nil {
-			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: release the claim to run alone: %w", err)}
-		}
-		d.attempts = n
-		return &failure{kind: failIsolate}
-	}
+	return i.run(d, h, tx)
+}
 
+// decide applies a claim's decision, in the immediate and the batched mode alike. It reports
+// whether the handler runs; otherwise the delivery is settled (d.res.Outcome set, f nil) or
+// failed with f.
+func (i *Inbox) decide(d *delivery, c contract.Claim) (f *failure, run bool) {
+	d.attempts = c.Attempts
+	switch c.Decision {
+	case contract.Run:
+		return nil, true
+	case contract.Duplicate:
+		d.res.Outcome = OutcomeDuplicate
+	case contract.Collision:
+		d.res.Outcome = OutcomeCollision
+	case contract.DeadLettered:
+		d.res.Outcome = OutcomeDeadLetteredSkip
+	case contract.Exhausted:
+		d.res.Reason = exhaustedReason(c.Attempts, i.cfg.MaxAttempts, c.LastError)
+		return &failure{kind: failMessage, err: Permanent(errors.New(d.res.Reason)), attempts: c.Attempts}, false
+	case contract.RunAlone:
+		return &failure{kind: failIsolate}, false
+	default:
+		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: claim: unknown decision %d", c.Decision)}, false
+	}
+	return nil, false
+}
+
+// run runs the handler of a claimed delivery in tx, then commits, or records the failure.
+func (i *Inbox) run(d *delivery, h message.HandlerFunc, tx contract.Tx) *failure {
 	settled := false
 	var endHandler func(error)
 	defer func() {
@@ -475,21 +422,9 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 		// A nil recover is runtime.Goexit (t.FailNow in a test's handler): no failure of the
 		// message; end the transaction and let the goroutine exit.
 		p := recover()
-		goexit := p == nil
-		switch {
-		case counted != nil && goexit:
-			d.attempts, _ = counted.Fail(d.ctx, FailParams{AttemptsDelta: -b2i(d.counted)})
-		case counted != nil:
-			n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: fmt.Sprintf("handler panicked: %v", p)})
-			if err != nil {
-				n = d.attempts + 1 - b2i(d.counted)
-			}
-			d.attempts = n
-		default:
-			_ = tx.Rollback(d.ctx)
-		}
-		d.counted = false
-		if !goexit {
+		f := contract.Failure{Counts: p != nil, Error: fmt.Sprintf("handler panicked: %v", p)}
+		d.attempts, _ = tx.Fail(d.ctx, f)
+		if p != nil {
 			panic(p)
 		}
 	}()
@@ -505,132 +440,83 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) (f *failure) {
 	hstart := time.Now()
 	produced, herr := h(d.handlerMessage(txCtx))
 	if herr == nil && len(produced) > 0 {
-		herr = i.storeProduced(txCtx, tx, produced, d.msg)
+		herr = i.storeProduced(txCtx, produced, d.msg)
 	}
 	d.res.Handler = time.Since(hstart)
 	settled = true
 	endH(herr)
 
 	if herr != nil {
-		return i.failTx(d, tx, counted, herr)
+		return i.fail(d, tx, i.failKindOf(d, herr), herr)
 	}
 	cstart := time.Now()
 	_, endCommit := i.startPhase(d.ctx, PhaseCommit)
-	err = tx.Commit(d.ctx)
+	err := tx.Commit(d.ctx)
 	d.res.Commit = time.Since(cstart)
 	endCommit(err)
-	switch {
-	case err == nil:
-		d.counted = false // the commit cleared the attempt record
+	if err == nil {
 		d.res.Outcome = OutcomeProcessed
 		return nil
-	case i.cfg.Store.Retryable(err):
-		if d.counted {
-			// As in failTx: no count is kept through the back-off.
-			i.adjust(d, -1, "")
-			d.counted = false
-		}
-		return &failure{kind: failRetryable, err: fmt.Errorf("inbox: commit: %w", err)}
-	case i.configurationFault(err):
-		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: commit: %w", err)}
-	case errors.Is(err, ErrCommitRolledBack):
-		// Rolled back for certain: the transaction's own doing, so it is the message's
-		// failure. The transaction is gone: record it outside.
-		err = fmt.Errorf("inbox: commit: %w", err)
-		f := &failure{kind: failMessage, err: err}
-		if i.attempts != nil {
-			f.attempts = i.adjust(d, 1-b2i(d.counted), err.Error())
-			d.counted = false
-		}
-		return f
 	}
-	// The outcome is unknown: it may have committed. Nack, never dead-letter; the redelivery
-	// is a duplicate if it did.
-	return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: commit (outcome unknown): %w", err)}
+	kind := i.commitKindOf(err)
+	if kind == failInfrastructure && !errors.Is(err, ErrCommitRolledBack) && i.cfg.Store.Classify(err) != contract.ConfigFault {
+		// The outcome is unknown: it may have committed. Nack, never dead-letter; the
+		// redelivery is a duplicate if it did.
+		return i.fail(d, tx, kind, fmt.Errorf("inbox: commit (outcome unknown): %w", err))
+	}
+	return i.fail(d, tx, kind, fmt.Errorf("inbox: commit: %w", err))
 }
 
-// failTx ends a transaction whose handler (or outbox write) returned herr.
-func (i *Inbox) failTx(d *delivery, tx Tx, counted CountedTx, herr error) *failure {
-	kind := failMessage
+// fail ends a transaction that did not commit (or records after a failed commit), counting
+// an attempt when the failure is the message's own.
+func (i *Inbox) fail(d *delivery, tx contract.Tx, kind failKind, err error) *failure {
+	n, ferr := tx.Fail(d.ctx, contract.Failure{Counts: kind == failMessage, Error: err.Error()})
+	if ferr != nil {
+		i.logger.Error("Could not record the failed attempt", ferr, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
+	}
+	d.attempts = n
+	return &failure{kind: kind, err: err, attempts: n}
+}
+
+// failKindOf classifies a handler (or outbox) error of delivery d.
+func (i *Inbox) failKindOf(d *delivery, herr error) failKind {
 	switch {
-	case i.cfg.Store.Retryable(herr):
-		kind = failRetryable
+	case i.cfg.Store.Classify(herr) == contract.Retryable:
+		return failRetryable
 	case i.configurationFault(herr), errors.Is(herr, ErrProducedMessages), errors.Is(herr, ErrNoPublishTopic):
 		// The deployment's fault (a missing privilege or table, no Outbox, no publish
 		// topic): no message can succeed until it is fixed.
-		kind = failInfrastructure
+		return failInfrastructure
 	case errors.Is(d.ctx.Err(), context.Canceled):
 		// The consumer is shutting down (the router cancels message contexts on Close):
 		// not the message's failure.
-		kind = failAbandoned
+		return failAbandoned
 	}
-	f := &failure{kind: kind, err: herr}
-	if kind == failRetryable && counted != nil && d.counted {
-		// A retryable failure takes the delivery's count back: kept through the back-off,
-		// when this delivery holds no lock on the key, it would be read as a failure by a
-		// copy that runs meanwhile. The next try counts first again.
-		n, err := counted.Fail(d.ctx, FailParams{AttemptsDelta: -1})
-		if err != nil {
-			i.logger.Error("Could not take back the count of a conflicted try", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
-		}
-		d.counted, d.attempts = false, n
-		return f
-	}
-	if counted == nil || kind == failRetryable || kind == failInfrastructure {
-		_ = tx.Rollback(d.ctx)
-		return f
-	}
-	p := FailParams{AttemptsDelta: 1 - b2i(d.counted), Error: herr.Error()}
-	if kind == failAbandoned {
-		p = FailParams{AttemptsDelta: -b2i(d.counted)}
-	}
-	n, err := counted.Fail(d.ctx, p)
-	if err != nil {
-		i.logger.Error("Could not record the failed attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
-		if d.noRecord && kind == failMessage {
-			// A first delivery read no record, so it cannot tell what the record says now (the
-			// key may even be dead-lettered): nack, and let the redelivery, counted first and
-			// reading the record, decide. Never dead-letter on a guess.
-			d.counted = false
-			return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: record the failed attempt: %w (handler error: %v)", err, herr)}
-		}
-		n = d.attempts + p.AttemptsDelta // what the record would say
-	}
-	d.counted, d.attempts, f.attempts = false, n, n
-	if err == nil && p.AttemptsDelta > 0 && n == 0 {
-		// Nothing was counted: the key is dead-lettered (or processed by another copy). Only
-		// a first delivery, claimed without reading the record (NoRecord), gets here. Nack it
-		// rather than dead-letter it a second time: its redelivery is counted first, reads the
-		// record and is skipped.
-		// %v, not %w: a permanent error must not reach an outer PoisonQueue as permanent.
-		return &failure{kind: failInfrastructure, err: fmt.Errorf("inbox: the message is already dead-lettered or processed; nacked so that its redelivery is skipped (handler error: %v)", herr)}
-	}
-	return f
+	return failMessage
 }
 
-// configurationFault reports whether the store classifies err as the deployment's fault
-// (inbox.FaultClassifier), and logs it at ERROR when so.
+// commitKindOf classifies a commit error: a transient conflict is retried, a configuration
+// fault or an unknown outcome is not the message's failure, a rollback certain at COMMIT is.
+func (i *Inbox) commitKindOf(err error) failKind {
+	switch {
+	case i.cfg.Store.Classify(err) == contract.Retryable:
+		return failRetryable
+	case i.configurationFault(err):
+		return failInfrastructure
+	case errors.Is(err, ErrCommitRolledBack):
+		return failMessage
+	}
+	return failInfrastructure
+}
+
+// configurationFault reports whether the store classifies err as the deployment's fault, and
+// logs it at ERROR when so.
 func (i *Inbox) configurationFault(err error) bool {
-	fc, ok := i.cfg.Store.(FaultClassifier)
-	if !ok || !fc.ConfigurationFault(err) {
+	if i.cfg.Store.Classify(err) != contract.ConfigFault {
 		return false
 	}
 	i.logger.Error("Configuration fault: the delivery is nacked without using up an attempt; no message can succeed until it is fixed", err, nil)
 	return true
-}
-
-// adjust applies delta to the message's attempt record outside a transaction, and returns
-// the count afterwards (best effort: on a store error it logs and returns d.attempts).
-func (i *Inbox) adjust(d *delivery, delta int, errText string) int {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(d.ctx), i.cfg.FinishTimeout)
-	defer cancel()
-	n, err := i.attempts.AdjustAttempts(ctx, AttemptParams{Key: d.params.Key, AttemptsDelta: delta, Error: errText})
-	if err != nil {
-		i.logger.Error("Could not record the attempt", err, watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
-		return d.attempts
-	}
-	d.attempts = n
-	return n
 }
 
 // settle turns the delivery's last result into its one outcome: it dead-letters when that is
@@ -695,12 +581,6 @@ func (i *Inbox) settleFailure(d *delivery, f *failure) {
 	d.res.Err = f.err
 	d.res.Attempts = d.attempts
 	if f.kind != failMessage {
-		// Not the message's failure: take back a count this delivery still holds.
-		if d.counted {
-			i.adjust(d, -1, "")
-			d.counted = false
-			d.res.Attempts = d.attempts
-		}
 		d.res.Outcome = OutcomeFailedRetryable
 		if f.kind == failAbandoned {
 			i.logger.Info(abandonedWhy(d.ctx), watermill.LogFields{"message_uuid": safeUUID(d.msg.UUID)})
@@ -708,7 +588,7 @@ func (i *Inbox) settleFailure(d *delivery, f *failure) {
 		return
 	}
 	permanent := IsPermanent(f.err)
-	if i.attempts == nil {
+	if !i.counting {
 		if permanent {
 			d.res.Outcome = OutcomeFailedFinal
 		} else {
@@ -745,7 +625,7 @@ func (i *Inbox) collision(d *delivery) {
 	switch {
 	case i.cfg.OnKeyCollision == CollisionSkip:
 		d.res.Outcome = OutcomeCollision // acked like a duplicate; counted in Collisions only
-	case i.cfg.OnKeyCollision == CollisionDeadLetter && i.attempts != nil:
+	case i.cfg.OnKeyCollision == CollisionDeadLetter && i.counting:
 		// Not marked as dead-lettered: the key belongs to the message that was processed.
 		d.res.Reason = ErrKeyCollision.Error()
 		d.res.Err = ErrKeyCollision
@@ -764,7 +644,7 @@ func (i *Inbox) collision(d *delivery) {
 // storeProduced writes a handler's output to the outbox in the inbox transaction. Produced
 // messages without a correlation ID get the received message's, as Watermill's
 // CorrelationID middleware would have given them had the router published them.
-func (i *Inbox) storeProduced(txCtx context.Context, tx Tx, produced []*message.Message, received *message.Message) error {
+func (i *Inbox) storeProduced(txCtx context.Context, produced []*message.Message, received *message.Message) error {
 	if i.cfg.Outbox == nil {
 		return ErrProducedMessages
 	}
@@ -785,7 +665,7 @@ func (i *Inbox) storeProduced(txCtx context.Context, tx Tx, produced []*message.
 			}
 		}
 	}
-	if err := i.cfg.Outbox.Store(txCtx, tx, topic, produced); err != nil {
+	if err := i.cfg.Outbox.Store(txCtx, topic, produced); err != nil {
 		return fmt.Errorf("inbox: storing %d produced messages in the outbox: %w", len(produced), err)
 	}
 	return nil
@@ -799,13 +679,6 @@ type publishTopicKey struct{}
 // the returned messages in the outbox for that topic.
 func ContextWithPublishTopic(ctx context.Context, topic string) context.Context {
 	return context.WithValue(ctx, publishTopicKey{}, topic)
-}
-
-func b2i(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // validOrEmpty drops optional metadata that PostgreSQL text cannot hold or that is unbounded.

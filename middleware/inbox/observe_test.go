@@ -11,7 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 type phaseKey struct{}

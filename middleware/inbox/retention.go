@@ -135,15 +135,6 @@ func (r Retention) Validate() error {
 	return nil
 }
 
-// RetentionStore is an optional capability of a Store configured with a retention window
-// (pgstore.Config.Retention). The TooOldGuard takes its window from it when
-// TooOldGuard.Window is zero.
-type RetentionStore interface {
-	// Retention returns the store's validated retention setting, defaults filled, and false
-	// when none is configured.
-	Retention() (Retention, bool)
-}
-
 // ProducerTimeFunc returns when the producer created msg: ok is false when msg carries no
 // producer time (the check is then skipped); err reports a producer time that is present but
 // unreadable (the message is then refused as permanent).
@@ -209,7 +200,7 @@ type TooOldGuard struct {
 	// ProducerTimeFromMetadata). Nil turns the guard off.
 	ProducerTime ProducerTimeFunc
 	// Window is the age past which a message is too old. Zero: the Store's retention window
-	// (RetentionStore); with neither, New refuses a guard with a ProducerTime.
+	// (pgstore.Config.Retention); with neither, New refuses a guard with a ProducerTime.
 	Window time.Duration
 	// ProcessTooOld processes a too-old message anyway, logging a warning, instead of
 	// dead-lettering it with the reason ReasonTooOld (the default).
@@ -224,10 +215,8 @@ type TooOldGuard struct {
 
 func (g *TooOldGuard) setDefaults(store Store) {
 	var window time.Duration
-	if rs, ok := store.(RetentionStore); ok {
-		if r, ok := rs.Retention(); ok {
-			window = r.Window
-		}
+	if store != nil {
+		window = store.RetentionWindow()
 	}
 	*g = g.WithDefaults(window)
 }
@@ -235,7 +224,7 @@ func (g *TooOldGuard) setDefaults(store Store) {
 // WithDefaults returns g with its zero fields filled: Window from retentionWindow (the
 // window of the table the guard protects, zero when none is configured), MaxClockSkew
 // DefaultMaxClockSkew, Now time.Now. A guard without ProducerTime is returned unchanged (it is
-// off). The immediate inbox fills Window from its Store (RetentionStore); the
+// off). The immediate inbox fills Window from its Store's retention window; the
 // store-then-process inbox (package deferred) from its Config.Retention.
 func (g TooOldGuard) WithDefaults(retentionWindow time.Duration) TooOldGuard {
 	if g.ProducerTime == nil {

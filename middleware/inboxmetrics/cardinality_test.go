@@ -10,7 +10,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // TestDistinctKeysCreateNoSeries delivers 10,000 messages with distinct keys (each processed,

@@ -161,7 +161,7 @@ func (m *Metrics) Outbox(o inbox.Outbox) inbox.Outbox {
 
 type stampingOutbox struct{ o inbox.Outbox }
 
-func (s stampingOutbox) Store(ctx context.Context, tx inbox.Tx, topic string, msgs []*message.Message) error {
+func (s stampingOutbox) Store(ctx context.Context, topic string, msgs []*message.Message) error {
 	now := strconv.FormatInt(time.Now().UnixNano(), 10)
 	copies := make([]*message.Message, len(msgs))
 	for i, msg := range msgs {
@@ -177,7 +177,7 @@ func (s stampingOutbox) Store(ctx context.Context, tx inbox.Tx, topic string, ms
 		c.SetContext(msg.Context())
 		copies[i] = c
 	}
-	return s.o.Store(ctx, tx, topic, copies)
+	return s.o.Store(ctx, topic, copies)
 }
 
 // RelayPublisher wraps the outbox relay's publisher (outbox.RelayConfig.Publisher): every

@@ -13,7 +13,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxtrace"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // BenchmarkObservabilityOverhead measures what the hooks cost per delivery on the in-memory

@@ -15,10 +15,10 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
-// ErrNotPgxTx is returned (wrapping inbox.ErrInvalidConfig) by Outbox.Store when the inbox
-// transaction it is handed was not opened by a pgstore Store: the outbox writes with
-// watermill-sql on pgx, so the inbox must use pgstore. It is a wiring error, not permanent.
-var ErrNotPgxTx = fmt.Errorf("%w: outbox: the inbox transaction is not a pgstore transaction (the inbox must use pgstore)", inbox.ErrInvalidConfig)
+// ErrNotPgxTx is returned (wrapping inbox.ErrInvalidConfig) by Outbox.Store when its context
+// carries no pgstore transaction (pgstore.TxFromContext): the outbox writes with watermill-sql
+// on pgx, so the inbox must use pgstore. It is a wiring error, not permanent.
+var ErrNotPgxTx = fmt.Errorf("%w: outbox: no pgstore transaction in the context (the inbox must use pgstore)", inbox.ErrInvalidConfig)
 
 // Outbox implements inbox.Outbox with Watermill's components: a watermill-sql v4 Publisher on
 // the inbox's pgx transaction (sql.TxFromPgx), decorated by components/forwarder's Publisher,
@@ -55,16 +55,16 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 func (o *Outbox) Config() Config { return o.cfg }
 
 // Store implements inbox.Outbox: it inserts msgs, enveloped for topic, into the outbox table in
-// the inbox transaction itx (pgstore.PgxTx), in one INSERT statement, in order. It does not
-// commit: the inbox does. The caller's messages are not modified.
+// the inbox transaction ctx carries (pgstore.TxFromContext), in one INSERT statement, in
+// order. It does not commit: the inbox does. The caller's messages are not modified.
 //
-// Errors: ErrNotPgxTx for a transaction of another store; an *inbox.InvalidKeyError (permanent) for a
+// Errors: ErrNotPgxTx for a context without a pgstore transaction; an *inbox.InvalidKeyError (permanent) for a
 // message whose UUID a downstream inbox would refuse (empty, over inbox.MaxKeyBytes, invalid
 // UTF-8, NUL); a permanent error for a nil message, an empty topic, or metadata that is not
 // valid UTF-8 (the JSON envelope would silently alter it); otherwise watermill-sql's or pgx's
 // error, wrapped. Errors name message UUIDs and metadata keys, never payloads or values.
-func (o *Outbox) Store(ctx context.Context, itx inbox.Tx, topic string, msgs []*message.Message) error {
-	tx, ok := pgstore.PgxTx(itx)
+func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Message) error {
+	tx, ok := pgstore.TxFromContext(ctx)
 	if !ok {
 		return ErrNotPgxTx
 	}

@@ -21,7 +21,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // failAfterStore stores through the real Outbox, then fails the first Store of the message

@@ -1,7 +1,6 @@
 package pgstore
 
 import (
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -10,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -87,7 +87,7 @@ const (
 	// must then be a UUIDv7 (RFC 9562, section 5.7) in canonical lowercase form; any other key
 	// is refused (ErrKeyNotUUIDv7). A function of the key, so stable by construction.
 	ProducerTimeFromKey
-	// ProducerTimeFromClaim takes inbox.ClaimParams.ProducerTime, which the inbox fills from
+	// ProducerTimeFromClaim takes the producer time the inbox reads with
 	// inbox.Config.ProducerTime (a producer-set timestamp in metadata, set once when the event
 	// is created). A claim without one is refused (ErrNoProducerTime).
 	ProducerTimeFromClaim
@@ -115,8 +115,7 @@ var (
 	// partitioned with ProducerTimeFromKey. It also wraps inbox.ErrInvalidKey.
 	ErrKeyNotUUIDv7 = errors.New("pgstore: partitioned by the timestamp of UUIDv7 keys, and the key is not a canonical lowercase UUIDv7")
 	// ErrNoProducerTime: partitioned mode without a stable producer time (at New: no
-	// Partitioning.ProducerTime; at a claim with ProducerTimeFromClaim: a zero
-	// ClaimParams.ProducerTime).
+	// Partitioning.ProducerTime; at a claim with ProducerTimeFromClaim: no producer time).
 	ErrNoProducerTime = errors.New("pgstore: partitioned mode needs a stable producer time: set Partitioning.ProducerTime to ProducerTimeFromKey (message IDs are UUIDv7; their embedded timestamp) or ProducerTimeFromClaim (inbox.Config.ProducerTime reads a producer-set timestamp from metadata)")
 	// ErrNoPartition: the partition for a claim's producer time does not exist (PostgreSQL
 	// SQLSTATE 23514, "no partition of relation ... found for row"). Nothing was claimed; the
@@ -140,74 +139,6 @@ func validateLayout(cfg Config) error {
 	return nil
 }
 
-// applyLayout builds the SQL of a compact or partitioned store over the text layout's.
-func (s *Store) applyLayout() {
-	cfg := s.cfg
-	s.consumers = pgx.Identifier{cfg.Schema, cfg.Table + "_consumers"}.Sanitize()
-	part := cfg.Partitioning != nil
-	if cfg.Layout == LayoutText && !part {
-		return
-	}
-	cols, vals, conflict := "message_id, consumer_name, message_type, correlation_id, payload_hash", []string{"$1", "$2", "$3", "$4", "$5"}, "message_id, consumer_name"
-	first := "$1::text"
-	match := "message_id = $1 AND consumer_name = $2"
-	next := 6
-	if cfg.Layout == LayoutCompact {
-		cols, vals, conflict = "message_id, consumer_id, payload_hash", []string{"$1::text::uuid", s.consumerIDSQL("$2"), "$3"}, "message_id, consumer_id"
-		first = "$1::text::uuid"
-		match = "message_id = $1::text::uuid AND consumer_id = " + s.consumerIDSQL("$2")
-		next = 4
-	}
-	s.keyMatch = match
-	s.consumerMatch = func(param string) string { return "consumer_name = " + param }
-	if cfg.Layout == LayoutCompact {
-		s.consumerMatch = func(param string) string { return "consumer_id = " + s.consumerIDSQL(param) }
-	}
-	pmatch := match // the key in its partition
-	if part {
-		cols += ", period"
-		vals = append(vals, fmt.Sprintf("$%d", next))
-		conflict += ", period"
-		pmatch = match + " AND period = $3"
-	}
-	s.buildClaims(cols, vals, conflict, first)
-	limit := "$3" // the count limit, after the key's parameters
-	if part {
-		limit = "$4"
-	}
-	s.countSQL = "INSERT INTO " + s.attempts + " AS a (message_id, consumer_name)" +
-		" SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM " + s.table + " WHERE " + pmatch + ")" +
-		" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now()" +
-		" WHERE a.dead_lettered_at IS NULL AND a.attempts < " + limit + "::int"
-	s.hashSQL = "SELECT payload_hash FROM " + s.table + " WHERE " + pmatch
-	s.clearProcessedSQL = "DELETE FROM " + s.attempts + " WHERE message_id = $1 AND consumer_name = $2 AND dead_lettered_at IS NULL" +
-		" AND EXISTS (SELECT 1 FROM " + s.table + " WHERE " + pmatch + ")"
-}
-
-// consumerIDSQL is the scalar subquery that maps the consumer name in param to its smallint
-// (compact layout). NULL for an unregistered name, which the NOT NULL column refuses.
-// mootDeadLettersSQL returns a data-modifying CTE, "moot AS (DELETE ...)", that deletes the
-// dead-lettered attempt records of the keys in rows, a CTE or relation with the inbox table's
-// columns (rows being purged, a partition about to be dropped), through the attempts table's
-// primary key. Such a record is moot: its message was processed after it was dead-lettered (a
-// first delivery of a copy the producer sent again, claimed without reading the record:
-// inbox.CountedClaimParams.NoRecord). Kept beyond its key's inbox row, it would let a later
-// Replay republish a message whose processing the purge has forgotten: applied twice.
-func (s *Store) mootDeadLettersSQL(rows string) string {
-	// message_id is text or uuid (the compact layout, and tables created with a uuid key);
-	// as text, a uuid is in its canonical lower-case form, as the inbox passes UUID keys.
-	id, name := "g.message_id::text", "g.consumer_name"
-	if s.cfg.Layout == LayoutCompact {
-		name = "(SELECT c.consumer_name FROM " + s.consumers + " AS c WHERE c.consumer_id = g.consumer_id)"
-	}
-	return "moot AS (DELETE FROM " + s.attempts + " AS a USING " + rows + " AS g WHERE a.message_id = " + id +
-		" AND a.consumer_name = " + name + " AND a.dead_lettered_at IS NOT NULL)"
-}
-
-func (s *Store) consumerIDSQL(param string) string {
-	return "(SELECT consumer_id FROM " + s.consumers + " WHERE consumer_name = " + param + ")"
-}
-
 // Layout returns the configured layout.
 func (s *Store) Layout() Layout { return s.cfg.Layout }
 
@@ -219,24 +150,9 @@ func (s *Store) Partitioned() bool { return s.cfg.Partitioning != nil }
 // exists only with LayoutCompact.
 func (s *Store) ConsumersTable() string { return s.consumers }
 
-// CheckClaim implements inbox.ClaimChecker: with LayoutCompact the key must be a canonical
-// lowercase UUID (ErrKeyNotUUID); partitioned with ProducerTimeFromKey it must be a UUIDv7
-// (ErrKeyNotUUIDv7); with ProducerTimeFromClaim, p.ProducerTime must be set
-// (ErrNoProducerTime). Errors also wrap inbox.ErrInvalidKey. Nil for the text layout.
-func (s *Store) CheckClaim(p inbox.ClaimParams) error {
-	_, err := s.period(p)
-	return err
-}
-
-// NeedsProducerTime implements inbox.ClaimChecker: true when partitioned with
-// ProducerTimeFromClaim.
-func (s *Store) NeedsProducerTime() bool {
-	return s.cfg.Partitioning != nil && s.cfg.Partitioning.ProducerTime == ProducerTimeFromClaim
-}
-
 // period checks p against the layout and returns the start of the partition period its claim
 // belongs to (zero when not partitioned).
-func (s *Store) period(p inbox.ClaimParams) (time.Time, error) {
+func (s *Store) period(p contract.Delivery) (time.Time, error) {
 	id := p.Key.MessageID
 	if s.cfg.Layout == LayoutCompact && !canonicalUUID(id) {
 		return time.Time{}, fmt.Errorf("%w (%w)", ErrKeyNotUUID, inbox.ErrInvalidKey)
@@ -300,7 +216,7 @@ func uuidV7Time(id string) (time.Time, bool) {
 }
 
 // CompactHashBytes is how many leading bytes of the payload's SHA-256 the compact layout
-// keeps (a smallint, big-endian): ClaimResult.StoredPayloadHash is that long there.
+// keeps (a smallint, big-endian): a duplicate is compared with that prefix of its hash.
 const CompactHashBytes = 2
 
 // hashArg is the payload hash as the claim stores it: the whole hash (text layout), or its
@@ -368,30 +284,6 @@ func (s *Store) ReceivedAtSQL() string {
 	return "received_at"
 }
 
-// keyArgs returns the parameters $1, $2 (and $3, the period, when partitioned) of the key
-// statements.
-func (s *Store) keyArgs(k inbox.Key, period time.Time) []any {
-	if s.cfg.Partitioning == nil {
-		return []any{k.MessageID, k.ConsumerName}
-	}
-	return []any{k.MessageID, k.ConsumerName, period}
-}
-
-// claimArgs returns the parameters of claimSQL.
-func (s *Store) claimArgs(p inbox.ClaimParams, period time.Time) []any {
-	k := p.Key
-	var args []any
-	if s.cfg.Layout == LayoutCompact {
-		args = []any{k.MessageID, k.ConsumerName, s.hashArg(p.PayloadHash)}
-	} else {
-		args = []any{k.MessageID, k.ConsumerName, nullIfEmpty(p.MessageType), nullIfEmpty(p.CorrelationID), p.PayloadHash}
-	}
-	if s.cfg.Partitioning != nil {
-		args = append(args, period)
-	}
-	return args
-}
-
 // wrapNoPartition wraps a claim error that is PostgreSQL's "no partition of relation ...
 // found for row" (SQLSTATE 23514 on a table that has no check constraint) with
 // ErrNoPartition.
@@ -404,28 +296,10 @@ func (s *Store) wrapNoPartition(err error, period time.Time) error {
 	return err
 }
 
-// registerConsumer makes sure name has a row in the consumers table (compact layout), once
-// per store and name. It takes an identity value only when the name is missing, so restarts
-// do not use up the 32,767 smallint values.
-func (s *Store) registerConsumer(ctx context.Context, name string) error {
-	if s.cfg.Layout != LayoutCompact {
-		return nil
+// consumerMatch is the inbox table's predicate "the row's consumer is the name in param".
+func (s *Store) consumerMatch(param string) string {
+	if s.cfg.Layout == LayoutCompact {
+		return "consumer_id = (SELECT consumer_id FROM " + s.consumers + " WHERE consumer_name = " + param + ")"
 	}
-	if _, ok := s.registered.Load(name); ok {
-		return nil
-	}
-	// Through acquire, so that a pool with every connection in use gives the claim's error
-	// (ErrWaitingForConnection) here too.
-	conn, err := s.acquire(ctx)
-	if err != nil {
-		return err
-	}
-	_, err = conn.Exec(ctx, "INSERT INTO "+s.consumers+" (consumer_name) SELECT $1::text"+
-		" WHERE NOT EXISTS (SELECT 1 FROM "+s.consumers+" WHERE consumer_name = $1::text) ON CONFLICT (consumer_name) DO NOTHING", name)
-	conn.Release()
-	if err != nil {
-		return fmt.Errorf("register consumer name: %w", err)
-	}
-	s.registered.Store(name, true)
-	return nil
+	return "consumer_name = " + param
 }

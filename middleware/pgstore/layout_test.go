@@ -17,7 +17,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // uuid7 returns a canonical lowercase UUIDv7 whose timestamp is at (milliseconds) and whose

@@ -203,11 +203,6 @@ func (s *Store) DropPartitions(ctx context.Context, olderThan time.Time) (droppe
 				continue
 			}
 			name := pgx.Identifier{s.cfg.Schema, p.Name}.Sanitize()
-			// The dead-lettered records of keys the partition holds as processed are moot:
-			// delete them before the rows go (mootDeadLettersSQL).
-			if _, err := conn.Exec(ctx, "WITH "+s.mootDeadLettersSQL(name)+" SELECT 1"); err != nil {
-				return fmt.Errorf("pgstore: partitions: moot dead letters of %s: %w", p.Name, err)
-			}
 			detach := "ALTER TABLE " + s.table + " DETACH PARTITION " + name
 			switch {
 			case p.DetachPending:

@@ -129,8 +129,8 @@ func (r PurgeReport) Rows() int64 {
 	return n
 }
 
-// Retention implements inbox.RetentionStore: the configured retention, defaults filled, and
-// false when Config.Retention is not set.
+// Retention returns the configured retention, defaults filled, and false when
+// Config.Retention is not set.
 func (s *Store) Retention() (inbox.Retention, bool) {
 	return s.cfg.Retention, s.cfg.Retention != (inbox.Retention{})
 }
@@ -241,16 +241,14 @@ func (s *Store) purgeInboxBatch(ctx context.Context, c *pgxpool.Conn, cutoff tim
 }
 
 // purgeRowsSQL deletes the inbox rows that where (a WHERE ... LIMIT clause over the inbox
-// table) selects, by ctid, and in the same statement the moot dead-lettered attempt records of
-// their keys (mootDeadLettersSQL); it returns the number of inbox rows deleted.
+// table) selects, by ctid; it returns the number of rows deleted.
 func (s *Store) purgeRowsSQL(where string) string {
 	match := "ctid = ANY (ARRAY(SELECT ctid FROM " + s.table + where + "))"
 	if s.cfg.Partitioning != nil {
 		// A ctid is unique only within one partition: name the partition too.
 		match = "(tableoid, ctid) IN (SELECT tableoid, ctid FROM " + s.table + where + ")"
 	}
-	return "WITH gone AS (DELETE FROM " + s.table + " WHERE " + match + " RETURNING *), " + s.mootDeadLettersSQL("gone") +
-		" SELECT count(*) FROM gone"
+	return "WITH gone AS (DELETE FROM " + s.table + " WHERE " + match + " RETURNING 1) SELECT count(*) FROM gone"
 }
 
 func (s *Store) countExpiredInbox(ctx context.Context, c *pgxpool.Conn, cutoff time.Time) (int64, error) {

@@ -15,7 +15,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/middleware/storetest"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 func newStore(t *testing.T, conns int32) (*pgstore.Store, *testenv.Schema) {

@@ -72,7 +72,7 @@ func (c Config) Validate() error {
 // another purger holds the target's purge lock.
 type Target interface {
 	// Retention returns the target's retention setting, and false when none is configured.
-	inbox.RetentionStore
+	Retention() (inbox.Retention, bool)
 	// PurgeExpired runs one purge pass (see pgstore.Store.PurgeExpired).
 	PurgeExpired(ctx context.Context, p pgstore.PurgeExpiredParams) (pgstore.PurgeReport, error)
 	// Table returns the quoted, schema-qualified table name, for logs.

@@ -1,0 +1,204 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+)
+
+// The group commit of counts. A delivery that counts first (its broker does not mark it as a
+// first delivery) is counted durably after its claim and before its handler, in a transaction
+// of its own: a crash of the consumer inside the handler still uses up an attempt. One such
+// transaction per delivery costs about half of a bare transaction's rate on this machine
+// (docs/benchmarks.md), so the counts of all the deliveries that ask while one count statement
+// runs are written by the next one (queries/count.sql), as PostgreSQL groups WAL flushes. The
+// statements run one at a time on a connection of their own, outside the pool (the deliveries
+// waiting for a count hold pool connections), with synchronous_commit off: a count survives
+// any crash of the consumer and any rollback; only a crash of the PostgreSQL server within
+// wal_writer_delay (200 ms by default) can lose it, which costs a poison message one extra
+// attempt. The connection is closed after counterIdle without a count.
+
+// counterIdle is how long the count connection stays open without a count.
+const counterIdle = 2 * time.Second
+
+type counter struct {
+	s       *Store
+	mu      sync.Mutex
+	queue   []*countRequest
+	running bool
+	conn    *pgx.Conn   // the count connection; nil when closed
+	idle    *time.Timer // closes conn after counterIdle
+}
+
+type countRequest struct {
+	keys     []inbox.Key
+	attempts []int // per key, the count afterwards; -1 when not counted (dead-lettered)
+	err      error
+	done     chan struct{}
+}
+
+// count counts one attempt for each of keys (distinct, each claimed by the caller) and returns
+// their counts afterwards, -1 for a key that was not counted (dead-lettered). It waits for the
+// statement that carries them even when ctx ends: the outcome must be known. finish bounds
+// that statement.
+func (c *counter) count(_ context.Context, keys []inbox.Key, finish time.Duration) ([]int, error) {
+	r := &countRequest{keys: keys, done: make(chan struct{})}
+	c.mu.Lock()
+	c.queue = append(c.queue, r)
+	start := !c.running
+	c.running = true
+	c.mu.Unlock()
+	if start {
+		go c.run(finish)
+	}
+	<-r.done
+	return r.attempts, r.err
+}
+
+// run writes the queued counts, one statement per round, until none is queued.
+func (c *counter) run(finish time.Duration) {
+	for {
+		c.mu.Lock()
+		q := c.queue
+		c.queue = nil
+		if len(q) == 0 {
+			c.running = false
+			c.idleLocked()
+			c.mu.Unlock()
+			return
+		}
+		c.mu.Unlock()
+		later := c.flush(q, finish)
+		if len(later) > 0 {
+			c.mu.Lock()
+			c.queue = append(later, c.queue...)
+			c.mu.Unlock()
+		}
+	}
+}
+
+// idleLocked (re)arms the timer that closes the connection once no count came for
+// counterIdle. c.mu must be held.
+func (c *counter) idleLocked() {
+	if c.conn == nil {
+		return
+	}
+	if c.idle != nil {
+		c.idle.Stop()
+	}
+	conn := c.conn
+	c.idle = time.AfterFunc(counterIdle, func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.running || c.conn != conn {
+			return
+		}
+		c.conn = nil
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(ctx)
+	})
+}
+
+type countKey struct{ id, consumer string }
+
+// flush writes the counts of q in one statement and answers each request. A request with a
+// key already in this statement waits for the next (a statement cannot update a row twice).
+func (c *counter) flush(q []*countRequest, finish time.Duration) (later []*countRequest) {
+	var ids, consumers []string
+	seen := map[countKey]bool{}
+	var now []*countRequest
+	for _, r := range q {
+		clash := false
+		for _, k := range r.keys {
+			clash = clash || seen[countKey{k.MessageID, k.ConsumerName}]
+		}
+		if clash {
+			later = append(later, r)
+			continue
+		}
+		for _, k := range r.keys {
+			seen[countKey{k.MessageID, k.ConsumerName}] = true
+			ids, consumers = append(ids, k.MessageID), append(consumers, k.ConsumerName)
+		}
+		now = append(now, r)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), finish)
+	defer cancel()
+	counts, err := c.exec(ctx, ids, consumers)
+	for _, r := range now {
+		r.err = err
+		if err == nil {
+			r.attempts = make([]int, len(r.keys))
+			for k, key := range r.keys {
+				n, ok := counts[countKey{key.MessageID, key.ConsumerName}]
+				if !ok {
+					n = -1
+				}
+				r.attempts[k] = n
+			}
+		}
+		close(r.done)
+	}
+	return later
+}
+
+// exec runs queries/count.sql on the count connection, opening it when needed; a connection
+// that failed is closed, so the next round opens another.
+func (c *counter) exec(ctx context.Context, ids, consumers []string) (map[countKey]int, error) {
+	c.mu.Lock()
+	conn := c.conn
+	if c.idle != nil {
+		c.idle.Stop()
+	}
+	c.mu.Unlock()
+	if conn == nil {
+		cfg := c.s.pool.Config().ConnConfig.Copy()
+		cfg.RuntimeParams["synchronous_commit"] = "off"
+		var err error
+		if conn, err = pgx.ConnectConfig(ctx, cfg); err != nil {
+			return nil, fmt.Errorf("open the count connection: %w", err)
+		}
+		c.mu.Lock()
+		c.conn = conn
+		c.mu.Unlock()
+	}
+	q := c.s.q.count
+	rows, err := conn.Query(ctx, q.sql, q.args(&queryArgs{messageIDs: ids, consumerNames: consumers})...)
+	counts := make(map[countKey]int, len(ids))
+	if err == nil {
+		for rows.Next() {
+			var k countKey
+			var n int32
+			if err = rows.Scan(&k.id, &k.consumer, &n); err != nil {
+				break
+			}
+			counts[k] = int(n)
+		}
+		rows.Close()
+		if err == nil {
+			err = rows.Err()
+		}
+	}
+	if err != nil {
+		c.mu.Lock()
+		if c.conn == conn {
+			c.conn = nil
+		}
+		c.mu.Unlock()
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = conn.Close(cctx)
+		cancel()
+		return nil, errors.Join(errCountUnknown, err)
+	}
+	return counts, nil
+}
+
+// errCountUnknown: a count statement failed; it may have committed or not.
+var errCountUnknown = errors.New("pgstore: the count statement failed")
