@@ -360,14 +360,10 @@ func TestPanicUnderRetryCountsOnce(t *testing.T) {
 }
 
 // TestDeadLetteredKeyResentAsFirstDelivery: a dead-lettered message sent again as a first
-// delivery (a producer's resend, not flagged redelivered) at each isolation level. A first
-// delivery is claimed without reading the attempt record (CountedClaimParams.NoRecord), so
-// the resend runs the handler once more (docs/design.md, "What a first delivery skips"):
-// when it fails, even with a permanent error, nothing is counted, no second dead letter is
-// published and the delivery is nacked; its redelivery, counted first, reads the record and
-// is skipped. A resend that succeeds is applied once; its dead letter is then moot: Replay
-// refuses it (and deletes the record), and a copy delivered afterwards is a duplicate, leaving
-// no attempt row.
+// delivery (a producer's resend, not flagged redelivered) or as a redelivery, at each
+// isolation level: every claim reads the key's attempt record, so each copy is skipped and
+// acked without running the handler, no second dead letter is published and the record is
+// unchanged, until Replay; the copy delivered after Replay is applied once.
 func TestDeadLetteredKeyResentAsFirstDelivery(t *testing.T) {
 	for _, iso := range []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable} {
 		t.Run(iso.String(), func(t *testing.T) {
@@ -395,40 +391,34 @@ func TestDeadLetteredKeyResentAsFirstDelivery(t *testing.T) {
 			attempts, _, _ := e.attemptsRow(msg.UUID)
 			redelivered := msg.Copy()
 			redelivered.Metadata.Set(redeliveredKey, "true")
+			healthy.Store(true)
 			for range 3 {
-				if err := deliver(h, msg); err == nil {
-					t.Fatal("a failed resend of a dead-lettered message was acked")
-				}
-				if err := deliver(h, redelivered); err != nil {
-					t.Fatalf("the resend's redelivery: %v", err)
+				for _, m := range []*message.Message{msg, redelivered} {
+					if err := deliver(h, m); err != nil {
+						t.Fatalf("a copy of a dead-lettered message: %v, want it skipped and acked", err)
+					}
 				}
 			}
 			time.Sleep(50 * time.Millisecond) // a second dead letter would be in by now
 			dl.wait(t, 1)
-			if r, s := e.runs.Load(), ib.Stats(); r != 4 || s.DeadLetteredSkips != 3 || s.DeadLettered != 1 {
-				t.Fatalf("handler runs %d, stats %+v; want 4 runs, 3 dead-lettered skips, 1 dead letter", r, s)
+			if r, s := e.runs.Load(), ib.Stats(); r != 1 || s.DeadLetteredSkips != 6 || s.DeadLettered != 1 {
+				t.Fatalf("handler runs %d, stats %+v; want 1 run, 6 dead-lettered skips, 1 dead letter", r, s)
 			}
 			if n, _, dead := e.attemptsRow(msg.UUID); !dead || n != attempts || e.rows("") != 0 || e.balance(5) != 0 {
 				t.Fatalf("attempts %d (was %d), dead-lettered %v, inbox rows %d, balance %d: the record changed or the message was applied",
 					n, attempts, dead, e.rows(""), e.balance(5))
 			}
-			healthy.Store(true)
-			if err := deliver(h, msg); err != nil {
-				t.Fatal(err)
+			if ok, err := ib.Replay(context.Background(), msg.UUID); err != nil || !ok {
+				t.Fatalf("Replay = %v, %v; want true", ok, err)
 			}
-			if b, r := e.balance(5), e.rows(""); b != 6 || r != 1 {
-				t.Fatalf("a healthy resend: balance %d, inbox rows %d; want 6, 1", b, r)
+			for range 2 {
+				if err := deliver(h, msg); err != nil {
+					t.Fatal(err)
+				}
 			}
-			if ok, err := ib.Replay(context.Background(), msg.UUID); err != nil || ok {
-				t.Fatalf("Replay of a dead letter processed since = %v, %v; want false", ok, err)
+			if b, r, s := e.balance(5), e.attemptRows(), ib.Stats(); b != 6 || r != 0 || s.Duplicates != 1 || s.Processed != 1 {
+				t.Fatalf("after replay: balance %d, attempt rows %d, stats %+v; want 6, 0, one processed and one duplicate", b, r, s)
 			}
-			if err := deliver(h, msg); err != nil {
-				t.Fatal(err)
-			}
-			if b, r, s := e.balance(5), e.attemptRows(), ib.Stats(); b != 6 || r != 0 || s.Duplicates != 1 {
-				t.Fatalf("after replay: balance %d, attempt rows %d, duplicates %d; want 6, 0, 1", b, r, s.Duplicates)
-			}
-			dl.wait(t, 1)
 		})
 	}
 }

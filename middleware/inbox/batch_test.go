@@ -437,20 +437,15 @@ func TestBatchedOnMemStore(t *testing.T) {
 
 // TestBatchConfigValidated: Batch settings are checked by New.
 func TestBatchConfigValidated(t *testing.T) {
-	noBatch := struct{ inbox.Store }{storetest.NewMemStore()} // hides BatchStore
 	for name, cfg := range map[string]inbox.Config{
 		"negative size":     {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: -1}},
 		"negative linger":   {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4, Linger: -time.Millisecond}},
 		"too big":           {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: inbox.MaxBatchSize + 1}},
 		"unknown mode":      {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4, Mode: 7}},
-		"not a batch store": {Store: noBatch, ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4}},
 	} {
 		if _, err := inbox.New(cfg, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
 			t.Errorf("%s: New = %v, want ErrInvalidConfig", name, err)
 		}
-	}
-	if _, err := inbox.New(inbox.Config{Store: noBatch, ConsumerName: "c", Batch: inbox.BatchConfig{Size: 1}}, nil); err != nil {
-		t.Errorf("Batch.Size 1 (off) on a store without batches: %v", err)
 	}
 }
 

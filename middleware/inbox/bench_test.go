@@ -43,10 +43,8 @@ func inTx(msg *message.Message, tx pgx.Tx, handler func(*message.Message) error)
 // handler's UPDATE, COMMIT; no claim), at 1, 8 and 32 concurrent deliveries. ratio is
 // inbox/bare; ratio-dlq is the same for an inbox with a dead-letter topic on a broker that
 // signals first deliveries (counted only when they fail), ratio-dlq-nosignal for one without
-// that signal (every delivery counted durably before its handler), ratio-nolocktimeout for the
-// plain inbox with pgstore's ClaimLockTimeout negative (no protection against a flood of one
-// key: its claim waits on the server for the key's advisory lock, where the default only tries
-// it). ratio-ceiling is the same bare transaction with the inbox's own statements added by
+// that signal (every delivery counted durably before its handler, the counts of concurrent
+// deliveries written together). ratio-ceiling is the same bare transaction with the inbox's own statements added by
 // hand and no middleware: BEGIN and the default claim (INSERT ... SELECT ... WHERE
 // pg_try_advisory_xact_lock(...) ON CONFLICT DO NOTHING) pipelined in one round trip, as
 // pgstore sends them, then the handler's UPDATE, then COMMIT; ratio-ceiling-dlq adds the
@@ -88,16 +86,6 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	// The plain inbox with the claim's flood protection off (pgstore.Config.ClaimLockTimeout
-	// negative): what the default's tried key lock costs, in the same run.
-	noLTStore, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, ClaimLockTimeout: -1})
-	if err != nil {
-		b.Fatal(err)
-	}
-	noLT, err := inbox.New(inbox.Config{Store: noLTStore, ConsumerName: "bench-nolt"}, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
 
 	handler := func(msg *message.Message) error {
 		tx, ok := msg.Context().Value(bareTxKey{}).(pgx.Tx)
@@ -123,7 +111,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	claimSQL := "INSERT INTO " + store.Table() + " (message_id, consumer_name, message_type, correlation_id, payload_hash)" +
 		" SELECT $1, $2, $3, $4, $5 WHERE pg_try_advisory_xact_lock(hashtextextended($6, 0))" +
 		" ON CONFLICT (message_id, consumer_name) DO NOTHING"
-	recordSQL := "SELECT attempts, last_error, dead_lettered_at IS NOT NULL, dead_letter_reason FROM " + store.AttemptsTable() +
+	recordSQL := "SELECT attempts, last_error, dead_lettered_at IS NOT NULL FROM " + store.AttemptsTable() +
 		" WHERE message_id = $1 AND consumer_name = $2"
 	ceiling := func(record bool) func(*message.Message) error {
 		consumer := "bench-ceiling"
@@ -140,9 +128,9 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			if record {
 				batch.Queue(recordSQL, msg.UUID, consumer).QueryRow(func(row pgx.Row) error {
 					var attempts int32
-					var lastError, reason *string
+					var lastError *string
 					var dead bool
-					if err := row.Scan(&attempts, &lastError, &dead, &reason); !errors.Is(err, pgx.ErrNoRows) {
+					if err := row.Scan(&attempts, &lastError, &dead); !errors.Is(err, pgx.ErrNoRows) {
 						return err
 					}
 					return nil
@@ -184,10 +172,6 @@ func benchInboxVsBare(b *testing.B, slots int) {
 			_, err := signalled.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
 		})
-		router.AddConsumerHandler(fmt.Sprintf("nolt-%d", i), fmt.Sprintf("nolt-%d", i), pubsub, func(m *message.Message) error {
-			_, err := noLT.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
-			return err
-		})
 		router.AddConsumerHandler(fmt.Sprintf("ceiling-%d", i), fmt.Sprintf("ceiling-%d", i), pubsub, ceilingPlain)
 		router.AddConsumerHandler(fmt.Sprintf("ceilingdlq-%d", i), fmt.Sprintf("ceilingdlq-%d", i), pubsub, ceilingDLQ)
 		router.AddConsumerHandler(fmt.Sprintf("counted-%d", i), fmt.Sprintf("counted-%d", i), pubsub, func(m *message.Message) error {
@@ -225,12 +209,11 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	run("inbox", 2*slots)
 	run("dlq", 2*slots)
 	run("counted", 2*slots)
-	run("nolt", 2*slots)
 	run("ceiling", 2*slots)
 	run("ceilingdlq", 2*slots)
 
 	b.ResetTimer()
-	var bareT, inboxT, dlqT, countedT, noLTT, ceilT, ceilDLQT time.Duration
+	var bareT, inboxT, dlqT, countedT, ceilT, ceilDLQT time.Duration
 	// Interleave in chunks so every mode sees the same machine conditions, and rotate the
 	// order, one chunk per mode, so every mode runs once in every position: a mode's rate
 	// depends on the mode that ran just before it (measured: the mode right after bare ran
@@ -238,7 +221,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	modes := []struct {
 		prefix string
 		took   *time.Duration
-	}{{"bare", &bareT}, {"inbox", &inboxT}, {"dlq", &dlqT}, {"counted", &countedT}, {"nolt", &noLTT}, {"ceiling", &ceilT}, {"ceilingdlq", &ceilDLQT}}
+	}{{"bare", &bareT}, {"inbox", &inboxT}, {"dlq", &dlqT}, {"counted", &countedT}, {"ceiling", &ceilT}, {"ceilingdlq", &ceilDLQT}}
 	chunks := len(modes)
 	for c := range chunks {
 		n := b.N / chunks
@@ -258,7 +241,6 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	b.ReportMetric(inboxRate/bareRate, "ratio")
 	b.ReportMetric(float64(b.N)/dlqT.Seconds()/bareRate, "ratio-dlq")
 	b.ReportMetric(float64(b.N)/countedT.Seconds()/bareRate, "ratio-dlq-nosignal")
-	b.ReportMetric(float64(b.N)/noLTT.Seconds()/bareRate, "ratio-nolocktimeout")
 	b.ReportMetric(float64(b.N)/ceilT.Seconds()/bareRate, "ratio-ceiling")
 	b.ReportMetric(float64(b.N)/ceilDLQT.Seconds()/bareRate, "ratio-ceiling-dlq")
 	b.ReportMetric(0, "ns/op")

@@ -2,7 +2,10 @@ package inbox_test
 
 import (
 	"context"
+	"errors"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -10,36 +13,28 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// nopStore is a Store and AttemptStore that does no I/O and allocates nothing per call: every
-// key is claimed, nothing is recorded. It isolates what the middleware itself costs per
-// delivery (BenchmarkMiddlewareCost); it keeps no promise and is for benchmarks only.
+// nopStore is a store that does no I/O and allocates nothing per call: every key is claimed,
+// nothing is recorded. It isolates what the middleware itself costs per delivery
+// (BenchmarkMiddlewareCost); it keeps no promise and is for benchmarks only.
 type nopStore struct{ tx nopTx }
 
-type nopTx struct{ commits, rollbacks int }
+type nopTx struct{ commits, fails int }
 
-func (t *nopTx) Context(ctx context.Context) context.Context { return ctx }
-func (t *nopTx) Commit(context.Context) error                { t.commits++; return nil }
-func (t *nopTx) Rollback(context.Context) error              { t.rollbacks++; return nil }
-func (t *nopTx) Fail(context.Context, inbox.FailParams) (int, error) {
-	t.rollbacks++
-	return 0, nil
+func (t *nopTx) Context(ctx context.Context) context.Context                     { return ctx }
+func (t *nopTx) Commit(context.Context) error                                    { t.commits++; return nil }
+func (t *nopTx) Fail(context.Context, contract.Failure) (int, error)             { t.fails++; return 0, nil }
+func (s *nopStore) Check(contract.Delivery) error                                { return nil }
+func (s *nopStore) NeedsProducerTime() bool                                      { return false }
+func (s *nopStore) RetentionWindow() time.Duration                               { return 0 }
+func (s *nopStore) Classify(error) contract.Class                                { return contract.Other }
+func (s *nopStore) MarkDeadLettered(context.Context, contract.Key, string) error { return nil }
+func (s *nopStore) Replay(context.Context, contract.Key) (bool, error)           { return false, nil }
+func (s *nopStore) Claim(context.Context, contract.Delivery) (contract.Tx, contract.Claim, error) {
+	return &s.tx, contract.Claim{Decision: contract.Run}, nil
 }
-
-func (s *nopStore) Claim(context.Context, inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
-	return &s.tx, inbox.ClaimResult{Claimed: true}, nil
+func (s *nopStore) ClaimBatch(context.Context, []contract.Delivery) (contract.BatchTx, []contract.Claim, error) {
+	return nil, nil, errors.New("nopStore: no batches")
 }
-func (s *nopStore) Retryable(error) bool { return false }
-func (s *nopStore) ClaimCounted(_ context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
-	res := inbox.CountedClaimResult{Counted: p.CountFirst}
-	res.Claimed = true
-	if p.CountFirst {
-		res.Record.Attempts = 1
-	}
-	return &s.tx, res, nil
-}
-func (s *nopStore) AdjustAttempts(context.Context, inbox.AttemptParams) (int, error) { return 0, nil }
-func (s *nopStore) MarkDeadLettered(context.Context, inbox.AttemptParams) error      { return nil }
-func (s *nopStore) Replay(context.Context, inbox.AttemptParams) (bool, error)        { return false, nil }
 
 // BenchmarkMiddlewareCost measures the middleware alone, on a store that does no I/O
 // (nopStore): allocations, bytes and CPU per delivery of a message whose handler succeeds,

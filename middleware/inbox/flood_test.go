@@ -39,35 +39,24 @@ func flood(h message.HandlerFunc, msg *message.Message) (wait func()) {
 
 // TestSameKeyFloodDoesNotStarveOtherKeys: 100 concurrent copies of one message, whose first
 // delivery holds its claim for 4 s, with a pool of 5 connections and a ClaimTimeout of 3 s
-// (shorter than the flood's hold): a copy gives its connection back at once (the default
-// ClaimLockTimeout: the key's lock tried) or after a positive ClaimLockTimeout, and waits
-// without one, so 40 unrelated messages delivered meanwhile are each processed at their
+// (shorter than the flood's hold): a copy gives its connection back at once (the key's lock
+// is tried, never waited for) and waits without one, so 40 unrelated messages delivered meanwhile are each processed at their
 // first delivery (before, the copies held every connection until the first committed, and
 // the unrelated claims timed out waiting for a connection). The flood's message is applied
 // exactly once; nothing is counted or dead-lettered; with attempt counting on (every copy
 // counts first) as well as without.
 func TestSameKeyFloodDoesNotStarveOtherKeys(t *testing.T) {
-	for _, mode := range []struct {
-		name    string
-		timeout time.Duration
-	}{{"tried-lock", 0}, {"lock-timeout", pgstore.DefaultClaimLockTimeout}} {
-		for _, counted := range []bool{false, true} {
-			name := mode.name + "/plain"
-			if counted {
-				name = mode.name + "/counted"
-			}
-			t.Run(name, func(t *testing.T) { testSameKeyFlood(t, mode.timeout, counted) })
+	for _, counted := range []bool{false, true} {
+		name := "plain"
+		if counted {
+			name = "counted"
 		}
+		t.Run(name, func(t *testing.T) { testSameKeyFlood(t, counted) })
 	}
 }
 
-func testSameKeyFlood(t *testing.T, claimLockTimeout time.Duration, counted bool) {
+func testSameKeyFlood(t *testing.T, counted bool) {
 	e := newEnv(t, floodPool)
-	s, err := pgstore.New(e.sch.Pool, pgstore.Config{Schema: e.sch.Name, ClaimLockTimeout: claimLockTimeout})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.store = s
 	mods := []func(*inbox.Config){func(c *inbox.Config) { c.ClaimTimeout = 3 * time.Second }}
 	var dl *deadLetters
 	if counted {

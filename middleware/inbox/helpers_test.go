@@ -1,6 +1,7 @@
 package inbox_test
 
 import (
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -146,14 +147,14 @@ func deliver(h message.HandlerFunc, msg *message.Message) error {
 // barrierStore holds every claim until n callers have arrived, then releases them
 // together: the concurrent-duplicate test's barrier just before the claim.
 type barrierStore struct {
-	inbox.AttemptStore
+	contract.Store
 	arrived chan struct{}
 	release chan struct{}
 	n       int
 }
 
-func newBarrierStore(s inbox.AttemptStore, n int) *barrierStore {
-	b := &barrierStore{AttemptStore: s, arrived: make(chan struct{}, n), release: make(chan struct{}), n: n}
+func newBarrierStore(s contract.Store, n int) *barrierStore {
+	b := &barrierStore{Store: s, arrived: make(chan struct{}, n), release: make(chan struct{}), n: n}
 	go func() {
 		for range n {
 			<-b.arrived
@@ -163,14 +164,21 @@ func newBarrierStore(s inbox.AttemptStore, n int) *barrierStore {
 	return b
 }
 
-func (b *barrierStore) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
+func (b *barrierStore) Claim(ctx context.Context, d contract.Delivery) (contract.Tx, contract.Claim, error) {
 	b.arrived <- struct{}{}
 	<-b.release
-	return b.AttemptStore.Claim(ctx, p)
+	return b.Store.Claim(ctx, d)
 }
 
-func (b *barrierStore) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
-	b.arrived <- struct{}{}
-	<-b.release
-	return b.AttemptStore.ClaimCounted(ctx, p)
+// recordAttempt writes what a delivery of id that ran the handler without settling leaves in
+// the attempts table: one more attempt, and errText as the last error (none: a crash).
+func (e *env) recordAttempt(id, consumer, errText string) {
+	e.t.Helper()
+	var last any
+	if errText != "" {
+		last = errText
+	}
+	e.exec("INSERT INTO "+e.store.AttemptsTable()+" AS a (message_id, consumer_name, attempts, last_error) VALUES ($1, $2, 1, $3)"+
+		" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_error = coalesce(EXCLUDED.last_error, a.last_error)",
+		id, consumer, last)
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // TestCrashSuspectWaitingForAnotherDeliveryIsNotStalled: a suspect's handler that waits for
@@ -59,50 +57,6 @@ func TestCrashSuspectWaitingForAnotherDeliveryIsNotStalled(t *testing.T) {
 	}
 	if b := e.balance(4); b != 2 {
 		t.Fatalf("balance %d, want 2", b)
-	}
-}
-
-// killClaimStore terminates the claim connection of the first claim of key id, right after
-// ClaimCounted returns it: the connection is lost between the claim and the delivery's next
-// statement on it.
-type killClaimStore struct {
-	inbox.AttemptStore
-	e    *env
-	id   string
-	done atomic.Bool
-}
-
-func (s *killClaimStore) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
-	tx, res, err := s.AttemptStore.ClaimCounted(ctx, p)
-	if err == nil && tx != nil && p.Key.MessageID == s.id && s.done.CompareAndSwap(false, true) {
-		ptx, ok := pgstore.TxFromContext(tx.Context(ctx))
-		if !ok {
-			s.e.t.Error("no pgx transaction")
-			return tx, res, err
-		}
-		s.e.exec("SELECT pg_terminate_backend($1)", ptx.Conn().PgConn().PID())
-	}
-	return tx, res, err
-}
-
-// TestCrashSuspectFailErrorTakesTheCountBackOnce: a suspect's claim connection is lost before
-// it takes its claim and count back. CountedTx.Fail still takes the count back (on the second
-// connection: the record is updated "best effort" and the rollback's error returned, as its
-// contract says), and the delivery, still believing itself counted, takes it back a second
-// time in settleFailure: the key's one recorded crash is erased, so a poison message gets an
-// extra run per such loss, and a crash record that should make it a suspect disappears.
-func TestCrashSuspectFailErrorTakesTheCountBackOnce(t *testing.T) {
-	e := newEnv(t, 6)
-	dl := newDeadLetters(t)
-	ks := &killClaimStore{AttemptStore: e.store, e: e, id: "m-suspect"}
-	ib := e.inbox("billing", withDeadLetters(dl, 3), func(c *inbox.Config) { c.Store = ks })
-	crashedOnce(t, e, "m-suspect", "billing")
-	h := ib.Middleware(e.credit)
-	if err := deliver(h, paymentMsg("m-suspect", 5, 1)); err == nil {
-		t.Fatal("the delivery whose connection was lost was acked")
-	}
-	if n, _, _ := e.attemptsRow("m-suspect"); n != 1 {
-		t.Fatalf("attempts %d after a nacked delivery that never ran its handler, want the 1 crash recorded before", n)
 	}
 }
 

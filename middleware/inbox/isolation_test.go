@@ -74,9 +74,7 @@ func (c *crashOverlap) whileSlowRuns(t *testing.T, h message.HandlerFunc, slow *
 // one counted attempt and no recorded error.
 func crashedOnce(t *testing.T, e *env, id, consumer string) {
 	t.Helper()
-	if _, err := e.store.AdjustAttempts(context.Background(), inbox.AttemptParams{Key: inbox.Key{MessageID: id, ConsumerName: consumer}, AttemptsDelta: 1}); err != nil {
-		t.Fatal(err)
-	}
+	e.recordAttempt(id, consumer, "")
 }
 
 // TestCrashSuspectRunsAlone: a message whose earlier delivery ended unsettled (its consumer
@@ -217,11 +215,7 @@ func TestCrashIsolationOnlyForUnsettledAttempts(t *testing.T) {
 	ib := e.inbox("billing", withDeadLetters(dl, 3))
 	c := &crashOverlap{e: e, suspect: "m-failed-before", hold: 300 * time.Millisecond}
 	h := ib.Middleware(c.handler)
-	if _, err := e.store.AdjustAttempts(context.Background(), inbox.AttemptParams{
-		Key: inbox.Key{MessageID: "m-failed-before", ConsumerName: "billing"}, AttemptsDelta: 1, Error: "downstream unavailable",
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e.recordAttempt("m-failed-before", "billing", "downstream unavailable")
 	c.whileSlowRuns(t, h, paymentMsg("m-slow", 3, 5), func() {
 		if err := deliver(h, paymentMsg("m-failed-before", 3, 1)); err != nil {
 			t.Fatal(err)

@@ -1,6 +1,7 @@
 package inbox_test
 
 import (
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"context"
 	"database/sql"
 	"errors"
@@ -326,7 +327,7 @@ func TestSerializationFailureIsRetried(t *testing.T) {
 
 func TestSerializationFailureBeyondRetriesNacks(t *testing.T) {
 	e, ib, errs := serializationPair(t, sql.LevelRepeatableRead, -1)
-	if errs[0] != nil || errs[1] == nil || !e.store.Retryable(errs[1]) {
+	if errs[0] != nil || errs[1] == nil || e.store.Classify(errs[1]) != contract.Retryable {
 		t.Fatalf("errors %v; want the second delivery to fail with a retryable 40001 when retries are off", errs)
 	}
 	if b, n := e.balance(8), e.rows(""); b != 100 || n != 1 {

@@ -180,7 +180,7 @@ func TestLeastPrivilegedRoleRunsTheWholePath(t *testing.T) {
 		t.Fatalf("relayed %s, %s; want m-1/1, m-1/2", got[0].UUID, got[1].UUID)
 	}
 	// Purge, as the application role.
-	if res, err := store.Purge(ctx, inbox.PurgeParams{Before: time.Now().Add(time.Hour)}); err != nil || res.Deleted != 1 {
+	if res, err := store.Purge(ctx, pgstore.PurgeParams{Before: time.Now().Add(time.Hour)}); err != nil || res.Deleted != 1 {
 		t.Fatalf("Purge as %s: %+v, %v; want 1 row deleted", role, res, err)
 	}
 

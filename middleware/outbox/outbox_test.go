@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"maps"
 	"slices"
 	"strings"
@@ -21,7 +22,6 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // failAfterStore stores through the real Outbox, then fails the first Store of the message
@@ -35,12 +35,12 @@ type failAfterStore struct {
 	seenInTx atomic.Int64
 }
 
-func (f *failAfterStore) Store(ctx context.Context, itx inbox.Tx, topic string, msgs []*message.Message) error {
-	if err := f.Outbox.Store(ctx, itx, topic, msgs); err != nil {
+func (f *failAfterStore) Store(ctx context.Context, topic string, msgs []*message.Message) error {
+	if err := f.Outbox.Store(ctx, topic, msgs); err != nil {
 		return err
 	}
 	if len(msgs) > 0 && msgs[0].Metadata.Get("source_message") == f.failFor && f.failed.CompareAndSwap(false, true) {
-		tx, _ := pgstore.PgxTx(itx)
+		tx, _ := pgstore.TxFromContext(ctx)
 		var n int64
 		if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+f.table).Scan(&n); err != nil {
 			return err
@@ -278,10 +278,10 @@ func TestInboxWithoutOutboxRefusesProducedMessages(t *testing.T) {
 
 // claimTx opens an inbox transaction through the store, as the middleware does, and returns
 // its context (carrying the pgx transaction) and the transaction.
-func claimTx(t *testing.T, e *env, id string) (context.Context, inbox.Tx) {
+func claimTx(t *testing.T, e *env, id string) (context.Context, contract.Tx) {
 	t.Helper()
-	tx, res, err := e.store.Claim(t.Context(), inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "test"}})
-	if err != nil || !res.Claimed {
+	tx, res, err := e.store.Claim(t.Context(), contract.Delivery{Key: inbox.Key{MessageID: id, ConsumerName: "test"}})
+	if err != nil || res.Decision != contract.Run {
 		t.Fatalf("claim %s: %v %+v", id, err, res)
 	}
 	return tx.Context(t.Context()), tx
@@ -296,16 +296,12 @@ func TestStoreRefusesWhatItCannotKeep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	memTx, _, err := storetest.NewMemStore().Claim(t.Context(), inbox.ClaimParams{Key: inbox.Key{MessageID: "x", ConsumerName: "test"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := ob.Store(t.Context(), memTx, "events", produced(paymentMsg("x", 1, 1))); !errors.Is(err, outbox.ErrNotPgxTx) {
-		t.Fatalf("Store on another store's transaction: %v, want ErrNotPgxTx", err)
+	if err := ob.Store(t.Context(), "events", produced(paymentMsg("x", 1, 1))); !errors.Is(err, outbox.ErrNotPgxTx) {
+		t.Fatalf("Store without the inbox transaction: %v, want ErrNotPgxTx", err)
 	}
 
 	ctx, tx := claimTx(t, e, "m-1")
-	defer func() { _ = tx.Rollback(context.Background()) }()
+	defer func() { _, _ = tx.Fail(context.Background(), contract.Failure{}) }()
 	badMeta := message.NewMessage("ok-id", []byte(`{}`))
 	badMeta.Metadata.Set("k", "\xff")
 	cases := map[string]struct {
@@ -322,7 +318,7 @@ func TestStoreRefusesWhatItCannotKeep(t *testing.T) {
 		"good then bad (none)": {"events", append(produced(paymentMsg("y", 1, 1)), message.NewMessage("", nil)), true},
 	}
 	for name, c := range cases {
-		err := ob.Store(ctx, tx, c.topic, c.msgs)
+		err := ob.Store(ctx, c.topic, c.msgs)
 		if err == nil || !inbox.IsPermanent(err) || errors.Is(err, inbox.ErrInvalidKey) != c.key {
 			t.Errorf("%s: Store returned %v; want a permanent error (invalid key: %v)", name, err, c.key)
 		}
@@ -333,13 +329,13 @@ func TestStoreRefusesWhatItCannotKeep(t *testing.T) {
 	if err := pgtx.QueryRow(ctx, "SELECT count(*) FROM "+e.cfg.MessagesTable()).Scan(&n); err != nil || n != 0 {
 		t.Fatalf("rows in the transaction after refused Stores: %d, %v; want 0", n, err)
 	}
-	if err := ob.Store(ctx, tx, "events", nil); err != nil {
+	if err := ob.Store(ctx, "events", nil); err != nil {
 		t.Fatalf("Store of no messages: %v", err)
 	}
 	// Binary payloads and long or odd UUIDs survive the envelope.
 	odd := message.NewMessage(strings.Repeat("é", 100), []byte{0, 1, 2, 0xff, '"', '\\'})
 	odd.Metadata.Set("nul-free unicode ✓", "valeur \u2028 \"quoted\"")
-	if err := ob.Store(ctx, tx, "events", []*message.Message{odd}); err != nil {
+	if err := ob.Store(ctx, "events", []*message.Message{odd}); err != nil {
 		t.Fatalf("Store of a binary payload: %v", err)
 	}
 	if err := tx.Commit(context.Background()); err != nil {
@@ -386,7 +382,7 @@ func TestRelayRetriesAFailedPublishInOrder(t *testing.T) {
 	for _, id := range []string{"a", "b", "c"} {
 		ctx, tx := claimTx(t, e, id)
 		msgs := produced(paymentMsg(id, 1, 1))
-		if err := ob.Store(ctx, tx, "events", msgs); err != nil {
+		if err := ob.Store(ctx, "events", msgs); err != nil {
 			t.Fatal(err)
 		}
 		if err := tx.Commit(context.Background()); err != nil {
@@ -599,7 +595,7 @@ func TestRelaysOfOneGroupTakeTurns(t *testing.T) {
 		id := "m-" + strings.Repeat("x", i)
 		ctx, tx := claimTx(t, e, id)
 		msgs := produced(paymentMsg(id, 1, 1))
-		if err := ob.Store(ctx, tx, "events", msgs); err != nil {
+		if err := ob.Store(ctx, "events", msgs); err != nil {
 			t.Fatal(err)
 		}
 		if err := tx.Commit(context.Background()); err != nil {
@@ -691,7 +687,7 @@ func TestRelaySkipsForeignRowsWithoutLoggingThem(t *testing.T) {
 	ctx, tx := claimTx(t, e, "m-1")
 	msgs := produced(paymentMsg("m-1", 1, 1))
 	msgs[0].Payload = []byte(`{"card":"s3cr3t-card"}`)
-	if err := ob.Store(ctx, tx, "events", msgs); err != nil {
+	if err := ob.Store(ctx, "events", msgs); err != nil {
 		t.Fatal(err)
 	}
 	if err := tx.Commit(context.Background()); err != nil {

@@ -81,7 +81,7 @@ func storeRows(t *testing.T, e *env, ob *outbox.Outbox, prefix string, n, perTx,
 			msgs = append(msgs, m)
 			ids = append(ids, m.UUID)
 		}
-		if err := ob.Store(ctx, tx, "events", msgs); err != nil {
+		if err := ob.Store(ctx, "events", msgs); err != nil {
 			t.Fatal(err)
 		}
 		if err := tx.Commit(context.Background()); err != nil {
