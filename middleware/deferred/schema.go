@@ -33,7 +33,8 @@ type names struct {
 	qtable              string // quoted
 	channel             string // the NOTIFY channel (unquoted)
 	tmpl                map[string]string
-	receiveSQL, hashSQL string
+	receiveSQL          string
+	conflictSQL         string
 	claimSQL            string
 	countSQL, lockSQL   string
 	doneSQL, failSQL    string
@@ -55,20 +56,27 @@ func newNames(cfg Config) *names {
 			"Table":            t,
 			"FreeIndex":        idx("_free_idx"),
 			"PredecessorIndex": idx("_predecessor_idx"),
-			"UnfinishedIndex":  idx("_unfinished_idx"),
-			"SequenceIndex":    idx("_sequence_idx"),
-			"ProcessingIndex":  idx("_processing_idx"),
-			"DeadIndex":        idx("_dead_idx"),
-			"DoneAtIndex":      idx("_done_at_idx"),
+			"SlotIndex":        idx("_sequence_key"),
+			// Schema-qualified, for DROP INDEX (a bare name would follow the search_path).
+			"QualifiedPredecessorIndex": pgx.Identifier{cfg.Schema, cfg.Table + "_predecessor_idx"}.Sanitize(),
+			"UnfinishedIndex":           idx("_unfinished_idx"),
+			"SequenceIndex":             idx("_sequence_idx"),
+			"ProcessingIndex":           idx("_processing_idx"),
+			"DeadIndex":                 idx("_dead_idx"),
+			"DoneAtIndex":               idx("_done_at_idx"),
 		},
 	}
 	n.receiveSQL = `WITH ins AS (
   INSERT INTO ` + t + ` (message_id, consumer_name, message_uuid, aggregate_key, producer_seq, topic, payload, payload_hash, metadata)
   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-  ON CONFLICT (message_id, consumer_name) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING id)
 SELECT ins.id FROM ins`
-	n.hashSQL = "SELECT payload_hash FROM " + t + " WHERE message_id = $1 AND consumer_name = $2"
+	// The row an insert conflicted with: its key's row first, else the row at its producer
+	// sequence ($3, $4: NULL without one).
+	n.conflictSQL = "SELECT payload_hash, message_id = $1 FROM " + t +
+		" WHERE consumer_name = $2 AND (message_id = $1 OR (aggregate_key = $3 AND producer_seq = $4 AND producer_seq IS NOT NULL))" +
+		" ORDER BY message_id = $1 DESC LIMIT 1"
 
 	// The claim (see docs/store-then-process.md, "The claim"): a skip scan over the aggregates
 	// that have unfinished rows, starting after a cursor ($5, the last aggregate key the
