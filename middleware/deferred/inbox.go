@@ -314,17 +314,24 @@ type Stats struct {
 	Processing int64
 	// Dead is the number of dead rows.
 	Dead int64
+	// StuckAggregates is the number of aggregates whose head (the first unfinished row in the
+	// aggregate's order) was received longer than Config.StuckAfter ago and waits: pending (a
+	// gap before it in producer sequences, a row failing with backoff, or workers behind), or
+	// dead under HoldAggregate with pending rows behind it. A head being processed is not
+	// counted.
+	StuckAggregates int64
 	// Counters are this process's counters (Reaped among them).
 	Counters Counters
 }
 
 // Stats reads the consumer's row counts in one statement, from the partial indexes of
-// unfinished, processing and dead rows (done rows are never read). Errors are pgx's, wrapped.
+// unfinished, processing and dead rows (done rows are never read); the stuck aggregates cost
+// one index descent per aggregate with unfinished rows, as a claim's scan does. Errors are pgx's, wrapped.
 func (i *Inbox) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
 	var oldest *time.Time
 	var now time.Time
-	if err := i.cfg.Pool.QueryRow(ctx, i.n.statsSQL, i.cfg.ConsumerName).Scan(&s.Pending, &oldest, &s.Processing, &s.Dead, &now); err != nil {
+	if err := i.cfg.Pool.QueryRow(ctx, i.n.statsSQL, i.cfg.ConsumerName, i.cfg.StuckAfter.Seconds()).Scan(&s.Pending, &oldest, &s.Processing, &s.Dead, &s.StuckAggregates, &now); err != nil {
 		return s, fmt.Errorf("deferred: stats: %w", err)
 	}
 	if oldest != nil {

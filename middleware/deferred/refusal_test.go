@@ -304,3 +304,111 @@ func TestConsumerNameRule(t *testing.T) {
 		t.Fatalf("a name of %d bytes: %v", inbox.MaxConsumerNameBytes, err)
 	}
 }
+
+// TestStatsStuckAggregates: with workers running, a late producer sequence (1 and 3 received,
+// 2 missing) leaves its aggregate's head waiting; once it has waited longer than StuckAfter,
+// Stats counts the aggregate as stuck while a moving aggregate is not; when 2 arrives, both
+// are handled and nothing is stuck.
+func TestStatsStuckAggregates(t *testing.T) {
+	ib, s := newInbox(t, deferred.Config{Ordering: deferred.OrderProducerSequence, SequenceField: "seq", StuckAfter: time.Second}, 2)
+	runWorkers(t, ib.NewConsumerWorkers(credit))
+	for _, m := range []*message.Message{payment("a-1", 1, 1, 1), payment("a-3", 1, 100, 3), payment("b-1", 2, 1, 1)} {
+		if err := ib.Receive(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 10*time.Second, "a-1 and b-1 done", func() bool {
+		return count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'done'") == 2
+	})
+	stuck := func() int64 {
+		st, err := ib.Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.StuckAggregates
+	}
+	if n := stuck(); n != 0 {
+		t.Fatalf("%d stuck aggregates before the threshold, want 0", n)
+	}
+	time.Sleep(1200 * time.Millisecond)
+	if err := ib.Receive(payment("b-2", 2, 1, 2)); err != nil { // a moving aggregate
+		t.Fatal(err)
+	}
+	if n := stuck(); n != 1 {
+		t.Fatalf("%d stuck aggregates after the threshold, want 1 (the gap)", n)
+	}
+	if err := ib.Receive(payment("a-2", 1, 10, 2)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "every row done", func() bool {
+		return count(t, s.Pool, "SELECT count(*) FROM inbox_deferred WHERE status = 'done'") == 5
+	})
+	if n := stuck(); n != 0 {
+		t.Fatalf("%d stuck aggregates once the gap is filled, want 0", n)
+	}
+	if b := count(t, s.Pool, "SELECT balance FROM accounts WHERE id = 1"); b != 111 {
+		t.Fatalf("balance %d, want 111", b)
+	}
+}
+
+// TestReceiptOversizedAndRefusedRows: with the row limits lowered (1 MiB a row, 1 KiB of
+// metadata, standing for PostgreSQL's 1 GB and jsonb's 256 MB), a payload, metadata or whole
+// row over them is refused once, permanent, with an *deferred.UnstorableError naming it; an
+// insert that PostgreSQL refuses with a data exception (SQLSTATE 22021, raised here by a
+// trigger) is permanent too, while one refused for want of resources (53100, disk full) stays
+// retryable. Nothing is stored.
+func TestReceiptOversizedAndRefusedRows(t *testing.T) {
+	t.Cleanup(deferred.SetRowLimits(1<<20, 1<<10))
+	dlq := newDeadLetters(t)
+	ib, s := newInbox(t, deferred.Config{DeadLetterPublisher: dlq.pub, DeadLetterTopic: "dead"}, 0)
+	plain := inboxOn(t, s.Pool, s.Name, deferred.Config{ConsumerName: "plain"})
+	big := func(payload, meta int) func() *message.Message {
+		return func() *message.Message {
+			m := message.NewMessage(watermill.NewUUID(), make([]byte, payload))
+			m.Metadata.Set("note", strings.Repeat("m", meta))
+			return m
+		}
+	}
+	for _, c := range []struct {
+		name, field string
+		msg         func() *message.Message
+	}{
+		{"payload over the row limit", "payload", big(1<<20+1, 1)},
+		{"metadata over jsonb's limit", "metadata", big(1, 1<<10)},
+		{"payload and metadata over the row limit", "row", big(1<<20-100, 1000)},
+	} {
+		if err := ib.Receive(c.msg()); err != nil {
+			t.Fatalf("%s: %v, want a dead letter and an ack", c.name, err)
+		}
+		if reason := dlq.next(t, c.name); !strings.Contains(reason, "cannot store the "+c.field) {
+			t.Fatalf("%s: reason %q, want the %s named", c.name, reason, c.field)
+		}
+		err := plain.Receive(c.msg())
+		var uerr *deferred.UnstorableError
+		if !inbox.IsPermanent(err) || !errors.As(err, &uerr) || uerr.Field != c.field || !errors.Is(err, deferred.ErrUnstorable) {
+			t.Fatalf("%s without a dead-letter topic: %v, want a permanent *UnstorableError for the %s", c.name, err, c.field)
+		}
+	}
+	s.Exec(t, `CREATE FUNCTION refuse_row() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'refused' USING ERRCODE = NEW.topic; END $$`)
+	s.Exec(t, `CREATE TRIGGER refuse_row BEFORE INSERT ON inbox_deferred FOR EACH ROW WHEN (NEW.topic <> '') EXECUTE FUNCTION refuse_row()`)
+	calls, errs := receiveOnTopic(t, plain, "22021", message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
+	var uerr *deferred.UnstorableError
+	if len(errs) == 0 || !inbox.IsPermanent(errs[0]) || !errors.As(errs[0], &uerr) || uerr.Field != "row" || !strings.Contains(uerr.Reason, "22021") {
+		t.Fatalf("a data exception: %v (%d receipts), want a permanent *UnstorableError", errs, calls)
+	}
+	if calls, errs = receiveOnTopic(t, ib, "22021", message.NewMessage(watermill.NewUUID(), []byte(`{}`))); calls != 1 || len(errs) != 0 {
+		t.Fatalf("a data exception with a dead-letter topic: %d receipts, errors %v; want one, acked", calls, errs)
+	}
+	if reason := dlq.next(t, "a data exception"); !strings.Contains(reason, "SQLSTATE 22021") {
+		t.Fatalf("reason %q", reason)
+	}
+	_, errs = receiveOnTopic(t, ib, "53100", message.NewMessage(watermill.NewUUID(), []byte(`{}`)))
+	if len(errs) == 0 || inbox.IsPermanent(errs[0]) {
+		t.Fatalf("disk full: %v, want a retryable error", errs)
+	}
+	dlq.none(t, "disk full", 100*time.Millisecond)
+	if n := count(t, s.Pool, "SELECT count(*) FROM inbox_deferred"); n != 0 {
+		t.Fatalf("%d rows stored, want none", n)
+	}
+}
