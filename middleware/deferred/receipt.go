@@ -16,8 +16,8 @@ import (
 )
 
 // MaxTopicBytes is the longest topic a receipt stores (bytes, UTF-8): the key's limit,
-// inbox.MaxKeyBytes, above every broker's limit on a topic or queue name (Kafka 249
-// characters, AMQP 255 bytes, SQS 80 characters).
+// inbox.MaxKeyBytes, above the topic and queue name limits of Kafka (249 characters), AMQP (255
+// bytes) and SQS (80 characters).
 const MaxTopicBytes = inbox.MaxKeyBytes
 
 // The limits of what one row can hold, from PostgreSQL: a field value and a protocol message
