@@ -326,7 +326,8 @@ type Stats struct {
 
 // Stats reads the consumer's row counts in one statement, from the partial indexes of
 // unfinished, processing and dead rows (done rows are never read); the stuck aggregates cost
-// one index descent per aggregate with unfinished rows, as a claim's scan does. Errors are pgx's, wrapped.
+// one index descent per aggregate with unfinished rows, as a claim's scan does. Errors are
+// pgx's, wrapped.
 func (i *Inbox) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
 	var oldest *time.Time
@@ -413,7 +414,8 @@ type Row struct {
 	ReceivedAt, NextAttemptAt time.Time
 	// DoneAt and DeadAt are set once the row is done or dead.
 	DoneAt, DeadAt *time.Time
-	// ClaimedBy names the worker of the last claim ("<WorkerName>/<n>").
+	// ClaimedBy names the worker that claimed the row, then the one that started its last
+	// run ("<WorkerName>/<n>").
 	ClaimedBy string
 }
 
