@@ -17,7 +17,7 @@ import (
 //	watermill-inbox deferred replay --consumer billing --key pay-1 --key pay-2
 //	watermill-inbox deferred replay --consumer billing --status dead
 //	watermill-inbox deferred replay --consumer billing --from 2026-11-30T00:00:00Z --to 2026-12-01T00:00:00Z --status done
-//	watermill-inbox deferred stats --consumer billing
+//	watermill-inbox deferred stats --consumer billing [--stuck-after 5m] [--sequence-field seq]
 //	watermill-inbox deferred purge --consumer billing --window 14d [--dry-run]
 func deferredCmd() *cobra.Command {
 	cmd := &cobra.Command{
@@ -180,15 +180,32 @@ func deferredReplayCmd() *cobra.Command {
 
 func deferredStatsCmd() *cobra.Command {
 	var f deferredFlags
+	var cfg deferred.Config
+	var continueAfterDead bool
 	cmd := &cobra.Command{
 		Use:   "stats",
-		Short: "Print a consumer's pending, processing and dead rows and the oldest pending age",
-		Args:  cobra.NoArgs,
+		Short: "Print a consumer's pending, processing and dead rows, the oldest pending age and the stuck aggregates",
+		Long: "Prints the consumer's pending rows and the oldest one's age, the rows in processing, the dead\n" +
+			"rows, and the aggregates whose head (the first unfinished row in the aggregate's order) has\n" +
+			"waited longer than --stuck-after: pending (a gap in producer sequences, a failing row, workers\n" +
+			"behind), or dead and holding pending rows. Pass the consumer's ordering: --sequence-field when\n" +
+			"it orders by producer sequence, --continue-after-dead when a dead row does not hold its\n" +
+			"aggregate.",
+		Args: usageArgs(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if f.consumer == "" {
-				return fmt.Errorf("--consumer is required")
+				return usageError{fmt.Errorf("--consumer is required")}
 			}
-			ib, pool, err := f.open(cmd)
+			if cfg.SequenceField != "" {
+				cfg.Ordering = deferred.OrderProducerSequence
+			}
+			if continueAfterDead {
+				cfg.AfterDead = deferred.ContinueAggregate
+			}
+			if cfg.StuckAfter <= 0 {
+				return usageError{fmt.Errorf("--stuck-after must be positive")}
+			}
+			ib, pool, err := f.openWith(cmd, cfg)
 			if err != nil {
 				return err
 			}
@@ -197,12 +214,15 @@ func deferredStatsCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "pending %d (oldest %s)\nprocessing %d\ndead %d\n",
-				st.Pending, st.OldestPendingAge.Round(time.Millisecond), st.Processing, st.Dead)
+			fmt.Fprintf(cmd.OutOrStdout(), "pending %d (oldest %s)\nprocessing %d\ndead %d\nstuck aggregates %d (head waiting over %s)\n",
+				st.Pending, st.OldestPendingAge.Round(time.Millisecond), st.Processing, st.Dead, st.StuckAggregates, cfg.StuckAfter)
 			return nil
 		},
 	}
 	f.register(cmd, true)
+	cmd.Flags().DurationVar(&cfg.StuckAfter, "stuck-after", deferred.DefaultStuckAfter, "count an aggregate as stuck when its head has waited longer than this")
+	cmd.Flags().StringVar(&cfg.SequenceField, "sequence-field", "", "the consumer orders by the producer sequence in this metadata field (OrderProducerSequence)")
+	cmd.Flags().BoolVar(&continueAfterDead, "continue-after-dead", false, "the consumer's dead rows do not hold their aggregate (ContinueAggregate)")
 	return cmd
 }
 

@@ -19,7 +19,7 @@ func TestDeferredMigrateReplayStats(t *testing.T) {
 	sch := testenv.NewSchema(t, 2)
 	db := []string{"--database-url", testenv.DatabaseURL(), "--schema", sch.Name}
 	out, err := run(t, append([]string{"deferred", "migrate"}, db...)...)
-	if err != nil || !strings.Contains(out, "applied migrations [1]") {
+	if err != nil || !strings.Contains(out, "applied migrations [1 2]") {
 		t.Fatalf("migrate: %v\n%s", err, out)
 	}
 	if out, err = run(t, append([]string{"deferred", "migrate"}, db...)...); err != nil || !strings.Contains(out, "up to date") {
@@ -145,5 +145,44 @@ func TestDeferredPurgeRefusesBadInput(t *testing.T) {
 		if strings.Contains(out, "hunter2secret") || (err != nil && strings.Contains(err.Error(), "hunter2secret")) {
 			t.Errorf("%v printed the password: %v\n%s", c.args, err, out)
 		}
+	}
+}
+
+// TestDeferredStatsStuckAggregates: stats counts the aggregates whose head has waited longer
+// than --stuck-after, in the consumer's order: with producer sequences a gap (1 done, 3 pending
+// for an hour) and a dead head holding a pending row are stuck; a fresh head, a head in
+// processing and a dead row with nothing behind it are not. By arrival order the same two are
+// (the gap's head, 3, has waited an hour unclaimed); when dead rows do not hold their
+// aggregate, only the gap is. A consumer name with a control character is refused before
+// connecting.
+func TestDeferredStatsStuckAggregates(t *testing.T) {
+	sch := testenv.NewSchema(t, 2)
+	db := []string{"--database-url", testenv.DatabaseURL(), "--schema", sch.Name}
+	if out, err := run(t, append([]string{"deferred", "migrate"}, db...)...); err != nil {
+		t.Fatalf("migrate: %v\n%s", err, out)
+	}
+	sch.Exec(t, `INSERT INTO inbox_deferred (message_id, consumer_name, message_uuid, aggregate_key, producer_seq, payload, payload_hash, status, received_at)
+		VALUES ('gap-1', 'billing', 'gap-1', 'gap', 1, '\x00', '\x00', 'done', now() - interval '2 hours'),
+		       ('gap-3', 'billing', 'gap-3', 'gap', 3, '\x00', '\x00', 'pending', now() - interval '1 hour'),
+		       ('fresh-1', 'billing', 'fresh-1', 'fresh', 1, '\x00', '\x00', 'pending', now()),
+		       ('busy-1', 'billing', 'busy-1', 'busy', 1, '\x00', '\x00', 'processing', now() - interval '1 hour'),
+		       ('busy-2', 'billing', 'busy-2', 'busy', 2, '\x00', '\x00', 'pending', now() - interval '1 hour'),
+		       ('held-1', 'billing', 'held-1', 'held', 1, '\x00', '\x00', 'dead', now() - interval '1 hour'),
+		       ('held-2', 'billing', 'held-2', 'held', 2, '\x00', '\x00', 'pending', now()),
+		       ('alone-1', 'billing', 'alone-1', 'alone', 1, '\x00', '\x00', 'dead', now() - interval '1 hour')`)
+	stats := append([]string{"deferred", "stats", "--consumer", "billing", "--stuck-after", "1m"}, db...)
+	out, err := run(t, append(stats, "--sequence-field", "seq")...)
+	if err != nil || !strings.Contains(out, "stuck aggregates 2 (head waiting over 1m0s)") {
+		t.Fatalf("stats by sequence: %v\n%s", err, out)
+	}
+	if out, err = run(t, stats...); err != nil || !strings.Contains(out, "stuck aggregates 2 ") {
+		t.Fatalf("stats by arrival: %v\n%s", err, out)
+	}
+	if out, err = run(t, append(stats, "--sequence-field", "seq", "--continue-after-dead")...); err != nil || !strings.Contains(out, "stuck aggregates 1 ") {
+		t.Fatalf("stats by sequence, dead rows not holding: %v\n%s", err, out)
+	}
+	var uerr usageError
+	if _, err := run(t, append([]string{"deferred", "stats", "--consumer", "bill\ning"}, db...)...); !errors.As(err, &uerr) {
+		t.Fatalf("a consumer name with a newline: %v, want a usage error", err)
 	}
 }

@@ -115,7 +115,7 @@ func TestMigrateOnCurrentSchemaTakesNoLock(t *testing.T) {
 	if err := sch.Pool.QueryRow(ctx, "SELECT max(applied_at), count(*) FROM watermill_inbox_migrations").Scan(&after, &rows); err != nil {
 		t.Fatal(err)
 	}
-	if !after.Equal(before) || rows != 1 {
+	if ms, err := ib.Migrations(); err != nil || !after.Equal(before) || rows != len(ms) {
 		t.Fatalf("version table changed: %v -> %v, %d rows", before, after, rows)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -48,6 +49,12 @@ const (
 	DefaultFinishTimeout = 10 * time.Second
 	// DefaultFirstSequence is the first producer sequence number of every aggregate.
 	DefaultFirstSequence = 1
+	// DefaultMaxInFlightBytes is the byte budget of one Workers: 64 MiB of payload and
+	// metadata loaded at once, across its workers.
+	DefaultMaxInFlightBytes = 64 << 20
+	// DefaultStuckAfter is how long an aggregate's head may wait before Stats counts the
+	// aggregate as stuck.
+	DefaultStuckAfter = 5 * time.Minute
 )
 
 // Ordering chooses the order of the rows of one aggregate.
@@ -94,8 +101,9 @@ type Config struct {
 	// Schema and Table name the table (defaults DefaultSchema, DefaultTable); validated by
 	// pgstore.ValidateIdentifier (Table at most 40 bytes, so derived index names fit).
 	Schema, Table string
-	// ConsumerName identifies the handler (required; the inbox's rules: at most
-	// inbox.MaxConsumerNameBytes bytes). Half of the unique key.
+	// ConsumerName identifies the handler (required; inbox.New's rule: not blank, at most
+	// inbox.MaxConsumerNameBytes bytes of valid UTF-8 without NUL or control characters).
+	// Half of the unique key.
 	ConsumerName string
 	// KeyExtractor returns each message's key. Default: inbox.MessageUUID(). Build a
 	// metadata one with inbox.MetadataKey, which refuses broker-side fields.
@@ -108,8 +116,10 @@ type Config struct {
 	// Ordering orders the rows of one aggregate. Default: OrderArrival.
 	Ordering Ordering
 	// SequenceField is the metadata field holding the producer sequence (a decimal int64),
-	// required with OrderProducerSequence. A message with an aggregate key and no valid
-	// sequence is refused at receipt like an invalid key.
+	// required with OrderProducerSequence. A message with an aggregate key whose sequence the
+	// order can never reach (missing, not a decimal int64, below FirstSequence, or already
+	// used in its aggregate by a message with another payload) is refused at receipt with a
+	// *SequenceError, like an invalid key.
 	SequenceField string
 	// FirstSequence is the first sequence number of every aggregate, with
 	// OrderProducerSequence. Default: DefaultFirstSequence; set ZeroFirstSequence for 0.
@@ -121,8 +131,21 @@ type Config struct {
 	// HoldAggregate.
 	AfterDead AfterDead
 
-	// BatchSize is the number of rows one claim takes (rows). Default: DefaultBatchSize.
+	// BatchSize is the number of rows one claim takes (rows). Default: DefaultBatchSize. The
+	// claim reads no payload: the rows of a claim wait in a queue that every worker of the
+	// Workers takes from, so one claim never keeps the other workers idle.
 	BatchSize int
+	// MaxInFlightBytes is the byte budget of one Workers (bytes): a worker loads a row's
+	// payload and metadata only when it starts the row, after reserving their size from the
+	// budget, and returns it when the row is settled, so the rows loaded at once never exceed
+	// it (a single row larger than the budget is loaded alone, once every other row has been
+	// returned). The Go heap holds about twice as much at its peak (pgx's read buffer beside
+	// each payload). Default: DefaultMaxInFlightBytes.
+	MaxInFlightBytes int64
+	// StuckAfter is the wait after which Stats counts an aggregate as stuck: its head (the
+	// first unfinished row in its order) is pending, or dead under HoldAggregate with rows
+	// waiting behind it, and was received longer ago than this. Default: DefaultStuckAfter.
+	StuckAfter time.Duration
 	// Workers is the number of worker goroutines of Workers. Default: DefaultWorkers.
 	Workers int
 	// PollInterval is an idle worker's fallback poll. Default: DefaultPollInterval.
@@ -214,6 +237,12 @@ func (c *Config) setDefaults() {
 	if c.Workers == 0 {
 		c.Workers = DefaultWorkers
 	}
+	if c.MaxInFlightBytes == 0 {
+		c.MaxInFlightBytes = DefaultMaxInFlightBytes
+	}
+	if c.StuckAfter == 0 {
+		c.StuckAfter = DefaultStuckAfter
+	}
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
 	}
@@ -249,12 +278,29 @@ func (c *Config) setDefaults() {
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for a missing pool, an invalid
-// name, a negative or too small duration, a batch size or worker count below 1, an unknown
+// schema or table name, a consumer name inbox.New refuses (see validateConsumerName), a
+// negative or too small duration, a batch size, worker count or byte budget below 1, an unknown
 // ordering or policy, OrderProducerSequence without SequenceField, a dead-letter publisher
-// without a topic (or the reverse), messages to publish without a topic, a Retention that
-// inbox.Retention.Validate refuses (an *inbox.RetentionError), or a TooOld guard that
-// inbox.TooOldGuard.Validate refuses (no window: neither TooOld.Window nor Retention).
+// without a topic (or the reverse), messages to publish without a topic, a SequenceField that
+// is a broker-side field (inbox.ErrBrokerSideKey), a Retention that inbox.Retention.Validate
+// refuses (an *inbox.RetentionError), or a TooOld guard that inbox.TooOldGuard.Validate refuses
+// (no window: neither TooOld.Window nor Retention).
 func (c Config) Validate() error {
+	for _, check := range []func() error{c.validateNames, c.validateLimits, c.validatePolicies} {
+		if err := check(); err != nil {
+			return err
+		}
+	}
+	if c.Retention != (inbox.Retention{}) {
+		if err := c.Retention.Validate(); err != nil {
+			return err
+		}
+	}
+	return c.TooOld.Validate()
+}
+
+// validateNames checks the pool, the table's names and the consumer name.
+func (c Config) validateNames() error {
 	if c.Pool == nil {
 		return fmt.Errorf("%w: deferred: Pool is required", inbox.ErrInvalidConfig)
 	}
@@ -264,18 +310,49 @@ func (c Config) Validate() error {
 	if err := pgstore.ValidateIdentifier("deferred: table name", c.Table, 40); err != nil {
 		return err
 	}
-	if strings.TrimSpace(c.ConsumerName) == "" || len(c.ConsumerName) > inbox.MaxConsumerNameBytes || inbox.ValidateKey("consumer name", c.ConsumerName) != nil {
-		return fmt.Errorf("%w: deferred: ConsumerName is required: valid UTF-8 without NUL, at most %d bytes", inbox.ErrInvalidConfig, inbox.MaxConsumerNameBytes)
+	return validateConsumerName(c.ConsumerName)
+}
+
+// validateConsumerName applies inbox.New's consumer-name rule: not blank, at most
+// inbox.MaxConsumerNameBytes bytes, what inbox.ValidateKey accepts (valid UTF-8 without NUL),
+// and no control character (a newline or an escape sequence would be printed as it is in logs,
+// metric labels and the CLI). The package inbox keeps the rule unexported; this is its
+// composition from the exported parts.
+func validateConsumerName(name string) error {
+	switch {
+	case strings.TrimSpace(name) == "":
+		return fmt.Errorf("%w: deferred: ConsumerName is required", inbox.ErrInvalidConfig)
+	case len(name) > inbox.MaxConsumerNameBytes:
+		return fmt.Errorf("%w: deferred: ConsumerName is %d bytes, limit %d", inbox.ErrInvalidConfig, len(name), inbox.MaxConsumerNameBytes)
+	case inbox.ValidateKey("consumer name", name) != nil:
+		return fmt.Errorf("%w: deferred: ConsumerName must be valid UTF-8 without NUL", inbox.ErrInvalidConfig)
+	case strings.IndexFunc(name, unicode.IsControl) >= 0:
+		return fmt.Errorf("%w: deferred: ConsumerName %q contains a control character", inbox.ErrInvalidConfig, name)
 	}
+	return nil
+}
+
+// validateLimits checks the sizes and durations.
+func (c Config) validateLimits() error {
 	switch {
 	case c.BatchSize < 1 || c.Workers < 1:
 		return fmt.Errorf("%w: deferred: BatchSize and Workers must be at least 1", inbox.ErrInvalidConfig)
+	case c.MaxInFlightBytes < 1:
+		return fmt.Errorf("%w: deferred: MaxInFlightBytes must be at least 1", inbox.ErrInvalidConfig)
 	case c.MaxAttempts < 1:
 		return fmt.Errorf("%w: deferred: MaxAttempts must be at least 1", inbox.ErrInvalidConfig)
-	case c.PollInterval < 0 || c.ReapInterval < 0 || c.Backoff < 0 || c.MaxBackoff < 0 || c.ShutdownTimeout < 0 || c.FinishTimeout < 0:
+	case c.PollInterval < 0 || c.ReapInterval < 0 || c.Backoff < 0 || c.MaxBackoff < 0 || c.ShutdownTimeout < 0 ||
+		c.FinishTimeout < 0 || c.StuckAfter < 0:
 		return fmt.Errorf("%w: deferred: durations must not be negative", inbox.ErrInvalidConfig)
 	case c.Lease < time.Second:
 		return fmt.Errorf("%w: deferred: Lease must be at least 1s (it is also the row transaction's idle_in_transaction_session_timeout)", inbox.ErrInvalidConfig)
+	}
+	return nil
+}
+
+// validatePolicies checks the ordering, the dead-letter and outbox settings and the policies.
+func (c Config) validatePolicies() error {
+	switch {
 	case c.Ordering != OrderArrival && c.Ordering != OrderProducerSequence:
 		return fmt.Errorf("%w: deferred: unknown Ordering %d", inbox.ErrInvalidConfig, c.Ordering)
 	case c.Ordering == OrderProducerSequence && strings.TrimSpace(c.SequenceField) == "":
@@ -288,14 +365,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: deferred: an Outbox needs PublishTopic", inbox.ErrInvalidConfig)
 	case c.OnKeyCollision < inbox.CollisionDeadLetter || c.OnKeyCollision > inbox.CollisionSkip:
 		return fmt.Errorf("%w: deferred: unknown OnKeyCollision policy %d", inbox.ErrInvalidConfig, c.OnKeyCollision)
-	}
-	if c.Ordering == OrderProducerSequence && inbox.IsBrokerSideField(c.SequenceField, c.BrokerSideFields) {
+	case c.Ordering == OrderProducerSequence && inbox.IsBrokerSideField(c.SequenceField, c.BrokerSideFields):
 		return fmt.Errorf("%w: deferred: SequenceField %q is a broker-side delivery field, not a producer sequence", inbox.ErrBrokerSideKey, c.SequenceField)
 	}
-	if c.Retention != (inbox.Retention{}) {
-		if err := c.Retention.Validate(); err != nil {
-			return err
-		}
-	}
-	return c.TooOld.Validate()
+	return nil
 }

@@ -3,16 +3,12 @@ package deferred
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -40,13 +36,15 @@ const (
 	StatusDead Status = "dead"
 )
 
-// ErrInvalidMetadata is returned (permanent) at receipt for a message whose metadata cannot
-// be stored as JSON text without altering it: a key or value that is not valid UTF-8 or holds
-// NUL (PostgreSQL jsonb refuses \u0000: SQLSTATE 22P05).
+// ErrInvalidMetadata is wrapped by the *UnstorableError returned (permanent) at receipt for a
+// message whose metadata cannot be stored as JSON text without altering it: a key or value
+// that is not valid UTF-8 or holds NUL (PostgreSQL jsonb refuses \u0000: SQLSTATE 22P05), or
+// more than jsonb holds.
 var ErrInvalidMetadata = errors.New("deferred: metadata is not valid UTF-8 text without NUL")
 
-// ErrInvalidSequence is returned (permanent) at receipt, with OrderProducerSequence, for a
-// message with an aggregate key whose sequence field is missing or not a decimal int64.
+// ErrInvalidSequence is wrapped by the *SequenceError returned (permanent) at receipt, with
+// OrderProducerSequence, for a message with an aggregate key whose sequence field is missing,
+// not a decimal int64, or below Config.FirstSequence.
 var ErrInvalidSequence = errors.New("deferred: missing or invalid producer sequence")
 
 // Counters are the inbox's counters since New, for metrics. Rows counts come from Stats.
@@ -128,14 +126,22 @@ func (i *Inbox) Counters() Counters {
 // Receive is the receipt: a message.NoPublishHandlerFunc for any subscriber. It extracts and
 // validates the key (the immediate inbox's KeyExtractor and inbox.ValidateKey), the aggregate
 // key and (OrderProducerSequence) the sequence, then inserts the message with status pending,
-// insert-first (INSERT ... ON CONFLICT (message_id, consumer_name) DO NOTHING) in one
+// insert-first (INSERT ... ON CONFLICT DO NOTHING: the unique key, and the unique producer
+// sequence of an aggregate) in one
 // statement (its own transaction). It returns nil only after that commit, so the router acks
 // after it; the workers are then notified (see notify).
 //
 //   - A duplicate (the key is stored) returns nil: acked, nothing stored. With another
 //     payload hash it is a key collision, handled by Config.OnKeyCollision.
-//   - An invalid key, aggregate key, sequence or metadata is a poison message: dead-lettered
-//     and acked with a dead-letter topic, else the permanent error is returned (nack).
+//   - A message the table cannot hold or the order can never reach is a poison message,
+//     refused before the insert with a permanent error: an invalid key or aggregate key (an
+//     *inbox.InvalidKeyError), a topic, metadata, payload or row the table cannot hold (an
+//     *UnstorableError, also for an insert PostgreSQL refuses with SQLSTATE class 22 or 54),
+//     or a producer sequence that is missing, not a number, below FirstSequence or already
+//     used in the aggregate with another payload (a *SequenceError). It is dead-lettered with
+//     "permanent error: " and the error as its reason and acked with a dead-letter topic,
+//     else the permanent error is returned (nack; inbox.IsPermanent reports it), never a
+//     retryable one.
 //   - With Config.TooOld on, a message older than the retention window (or future-dated
 //     beyond the clock skew) is refused the same way, before the insert, with the reason
 //     inbox.ReasonTooOld (inbox.ReasonFutureProducerTime) and an error wrapping
@@ -164,67 +170,48 @@ func (i *Inbox) Receive(msg *message.Message) error {
 		i.tooOld.Add(1)
 		return i.refuseWith(msg, key, err, reason)
 	}
-	var agg *string
-	var seq *int64
-	if a := i.cfg.AggregateKey(msg); a != "" {
-		if err := inbox.ValidateKey("aggregate key", a); err != nil {
-			return i.refuse(msg, key, inbox.Permanent(err))
-		}
-		agg = &a
-		if i.cfg.Ordering == OrderProducerSequence {
-			v, err := strconv.ParseInt(strings.TrimSpace(msg.Metadata.Get(i.cfg.SequenceField)), 10, 64)
-			if err != nil {
-				return i.refuse(msg, key, inbox.Permanent(fmt.Errorf("%w: metadata %q", ErrInvalidSequence, i.cfg.SequenceField)))
-			}
-			seq = &v
-		}
-	}
-	md := make(map[string]string, len(msg.Metadata))
-	for k, v := range msg.Metadata {
-		if inbox.IsBrokerSideField(k, i.cfg.BrokerSideFields) {
-			continue
-		}
-		if !utf8.ValidString(k) || !utf8.ValidString(v) || strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
-			return i.refuse(msg, key, inbox.Permanent(ErrInvalidMetadata))
-		}
-		md[k] = v
-	}
-	mdJSON, err := json.Marshal(md)
+	r, err := i.prepare(msg, key)
 	if err != nil {
-		return i.refuse(msg, key, inbox.Permanent(fmt.Errorf("%w: %v", ErrInvalidMetadata, err)))
-	}
-	uuid := msg.UUID
-	if !inbox.ValidText(uuid) {
-		uuid = key // a UUID that cannot be stored as text: the key names the message
-	}
-	sum := sha256.Sum256(msg.Payload)
-	payload := msg.Payload
-	if payload == nil {
-		payload = []byte{}
+		return i.refuse(msg, key, err)
 	}
 	var id int64
-	err = i.cfg.Pool.QueryRow(ctx, i.n.receiveSQL, key, i.cfg.ConsumerName, uuid, agg, seq,
-		message.SubscribeTopicFromCtx(ctx), payload, sum[:], string(mdJSON)).Scan(&id)
+	err = i.cfg.Pool.QueryRow(ctx, i.n.receiveSQL, key, i.cfg.ConsumerName, r.uuid, r.aggregate, r.seq,
+		r.topic, r.payload, r.sum[:], r.metadata).Scan(&id)
 	switch {
 	case err == nil:
 		i.received.Add(1)
 		i.notify()
 		return nil
-	case !errors.Is(err, pgx.ErrNoRows):
-		return fmt.Errorf("deferred: receipt of %s: %w", inbox.SafeMessageID(msg.UUID), err)
+	case errors.Is(err, pgx.ErrNoRows):
+		return i.conflict(msg, r)
 	}
-	// A duplicate.
+	if perm := unstorableByPostgres(err, r); perm != nil {
+		return i.refuse(msg, key, perm)
+	}
+	return fmt.Errorf("deferred: receipt of %s: %w", inbox.SafeMessageID(msg.UUID), err)
+}
+
+// conflict settles a receipt whose insert conflicted: with the row of its key (a duplicate,
+// or a key collision for another payload, handled by Config.OnKeyCollision), or with the row
+// at its producer sequence under another key (the same payload is a duplicate; another one is
+// refused with a *SequenceError wrapping ErrSequenceReused).
+func (i *Inbox) conflict(msg *message.Message, r receipt) error {
+	ctx := msg.Context()
 	var stored []byte
-	if err := i.cfg.Pool.QueryRow(ctx, i.n.hashSQL, key, i.cfg.ConsumerName).Scan(&stored); err != nil {
+	var sameKey bool
+	if err := i.cfg.Pool.QueryRow(ctx, i.n.conflictSQL, r.key, i.cfg.ConsumerName, r.aggregate, r.seq).Scan(&stored, &sameKey); err != nil {
 		// The row exists (the insert conflicted): ack as a duplicate, collision unchecked.
 		i.logger.Error("Duplicate receipt: could not read the stored payload hash", err, watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID)})
 		i.duplicates.Add(1)
 		return nil
 	}
-	if bytes.Equal(stored, sum[:]) {
+	if bytes.Equal(stored, r.sum[:]) {
 		i.duplicates.Add(1)
-		i.logger.Debug("Duplicate receipt skipped", watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID)})
+		i.logger.Debug("Duplicate receipt skipped", watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "same_key": sameKey})
 		return nil
+	}
+	if !sameKey {
+		return i.refuse(msg, r.key, inbox.Permanent(&SequenceError{Field: i.cfg.SequenceField, Sequence: *r.seq, Reason: reasonReused}))
 	}
 	i.collisions.Add(1)
 	i.logger.Error("Key collision: key already stored with a different payload", inbox.ErrKeyCollision,
@@ -233,7 +220,7 @@ func (i *Inbox) Receive(msg *message.Message) error {
 	case i.cfg.OnKeyCollision == inbox.CollisionSkip:
 		return nil
 	case i.cfg.OnKeyCollision == inbox.CollisionDeadLetter && i.cfg.DeadLetterPublisher != nil:
-		return i.publishDeadLetter(ctx, msg, key, inbox.ErrKeyCollision.Error(), 0, message.SubscribeTopicFromCtx(ctx))
+		return i.publishDeadLetter(ctx, msg, r.key, inbox.ErrKeyCollision.Error(), 0, r.topic)
 	}
 	return inbox.ErrKeyCollision
 }
@@ -327,17 +314,25 @@ type Stats struct {
 	Processing int64
 	// Dead is the number of dead rows.
 	Dead int64
+	// StuckAggregates is the number of aggregates whose head (the first unfinished row in the
+	// aggregate's order) was received longer than Config.StuckAfter ago and waits: pending (a
+	// gap before it in producer sequences, a row failing with backoff, or workers behind), or
+	// dead under HoldAggregate with pending rows behind it. A head being processed is not
+	// counted.
+	StuckAggregates int64
 	// Counters are this process's counters (Reaped among them).
 	Counters Counters
 }
 
 // Stats reads the consumer's row counts in one statement, from the partial indexes of
-// unfinished, processing and dead rows (done rows are never read). Errors are pgx's, wrapped.
+// unfinished, processing and dead rows (done rows are never read); the stuck aggregates cost
+// one index descent per aggregate with unfinished rows, as a claim's scan does. Errors are
+// pgx's, wrapped.
 func (i *Inbox) Stats(ctx context.Context) (Stats, error) {
 	var s Stats
 	var oldest *time.Time
 	var now time.Time
-	if err := i.cfg.Pool.QueryRow(ctx, i.n.statsSQL, i.cfg.ConsumerName).Scan(&s.Pending, &oldest, &s.Processing, &s.Dead, &now); err != nil {
+	if err := i.cfg.Pool.QueryRow(ctx, i.n.statsSQL, i.cfg.ConsumerName, i.cfg.StuckAfter.Seconds()).Scan(&s.Pending, &oldest, &s.Processing, &s.Dead, &s.StuckAggregates, &now); err != nil {
 		return s, fmt.Errorf("deferred: stats: %w", err)
 	}
 	if oldest != nil {
@@ -419,7 +414,8 @@ type Row struct {
 	ReceivedAt, NextAttemptAt time.Time
 	// DoneAt and DeadAt are set once the row is done or dead.
 	DoneAt, DeadAt *time.Time
-	// ClaimedBy names the worker of the last claim ("<WorkerName>/<n>").
+	// ClaimedBy names the worker that claimed the row, then the one that started its last
+	// run ("<WorkerName>/<n>").
 	ClaimedBy string
 }
 

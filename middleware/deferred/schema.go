@@ -33,7 +33,8 @@ type names struct {
 	qtable              string // quoted
 	channel             string // the NOTIFY channel (unquoted)
 	tmpl                map[string]string
-	receiveSQL, hashSQL string
+	receiveSQL          string
+	conflictSQL         string
 	claimSQL            string
 	countSQL, lockSQL   string
 	doneSQL, failSQL    string
@@ -55,20 +56,27 @@ func newNames(cfg Config) *names {
 			"Table":            t,
 			"FreeIndex":        idx("_free_idx"),
 			"PredecessorIndex": idx("_predecessor_idx"),
-			"UnfinishedIndex":  idx("_unfinished_idx"),
-			"SequenceIndex":    idx("_sequence_idx"),
-			"ProcessingIndex":  idx("_processing_idx"),
-			"DeadIndex":        idx("_dead_idx"),
-			"DoneAtIndex":      idx("_done_at_idx"),
+			"SlotIndex":        idx("_sequence_key"),
+			// Schema-qualified, for DROP INDEX (a bare name would follow the search_path).
+			"QualifiedPredecessorIndex": pgx.Identifier{cfg.Schema, cfg.Table + "_predecessor_idx"}.Sanitize(),
+			"UnfinishedIndex":           idx("_unfinished_idx"),
+			"SequenceIndex":             idx("_sequence_idx"),
+			"ProcessingIndex":           idx("_processing_idx"),
+			"DeadIndex":                 idx("_dead_idx"),
+			"DoneAtIndex":               idx("_done_at_idx"),
 		},
 	}
 	n.receiveSQL = `WITH ins AS (
   INSERT INTO ` + t + ` (message_id, consumer_name, message_uuid, aggregate_key, producer_seq, topic, payload, payload_hash, metadata)
   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-  ON CONFLICT (message_id, consumer_name) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING id)
 SELECT ins.id FROM ins`
-	n.hashSQL = "SELECT payload_hash FROM " + t + " WHERE message_id = $1 AND consumer_name = $2"
+	// The row an insert conflicted with: its key's row first, else the row at its producer
+	// sequence ($3, $4: NULL without one).
+	n.conflictSQL = "SELECT payload_hash, message_id = $1 FROM " + t +
+		" WHERE consumer_name = $2 AND (message_id = $1 OR (aggregate_key = $3 AND producer_seq = $4 AND producer_seq IS NOT NULL))" +
+		" ORDER BY message_id = $1 DESC LIMIT 1"
 
 	// The claim (see docs/store-then-process.md, "The claim"): a skip scan over the aggregates
 	// that have unfinished rows, starting after a cursor ($5, the last aggregate key the
@@ -98,6 +106,26 @@ SELECT ins.id FROM ins`
 	if cfg.Ordering == OrderProducerSequence {
 		seqFilter = " AND e.producer_seq IS NOT NULL"
 	}
+	// Stuck aggregates (Stats): the claim's skip scan from the first aggregate, each one's head,
+	// counted when it is pending, or dead and holding pending rows, and was received more than
+	// $2 seconds ago.
+	stuckSQL := `(WITH RECURSIVE aggs(k) AS (
+    (SELECT e.aggregate_key FROM ` + t + ` e
+     WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL
+     ORDER BY e.aggregate_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.aggregate_key FROM ` + t + ` e
+            WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL AND e.aggregate_key > a.k
+            ORDER BY e.aggregate_key LIMIT 1)
+    FROM aggs a WHERE a.k IS NOT NULL)
+  SELECT count(*) FROM aggs a
+  CROSS JOIN LATERAL (
+    SELECT e.status, e.received_at FROM ` + t + ` e
+    WHERE e.consumer_name = $1 AND e.aggregate_key = a.k AND ` + unfinished + seqFilter + `
+    ORDER BY ` + headOrder + ` LIMIT 1) h
+  WHERE a.k IS NOT NULL AND h.received_at < now() - make_interval(secs => $2::float8)
+    AND (h.status = 'pending' OR h.status = 'dead' AND EXISTS (
+      SELECT 1 FROM ` + t + ` p WHERE p.consumer_name = $1 AND p.aggregate_key = a.k AND p.status = 'pending')))`
 	n.claimSQL = `WITH RECURSIVE aggs(k) AS (
   (SELECT e.aggregate_key FROM ` + t + ` e
    WHERE e.consumer_name = $1 AND e.status <> 'done' AND e.aggregate_key IS NOT NULL AND e.aggregate_key > $5
@@ -131,11 +159,12 @@ c AS (
   FOR UPDATE OF r SKIP LOCKED)
 UPDATE ` + t + ` t SET status = 'processing', claimed_at = now(), claimed_by = $3, claim_token = $4
 FROM c WHERE t.id = c.id
-RETURNING t.id, t.message_id, t.message_uuid, t.aggregate_key, t.topic, t.payload, t.metadata, t.attempts, t.received_at`
+RETURNING t.id, t.message_id, t.message_uuid, t.aggregate_key, t.topic,
+  octet_length(t.payload)::bigint + octet_length(t.metadata::text), t.received_at`
 
-	n.countSQL = "UPDATE " + t + " SET attempts = attempts + 1, claimed_at = now()" +
+	n.countSQL = "UPDATE " + t + " SET attempts = attempts + 1, claimed_at = now(), claimed_by = $3" +
 		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING attempts"
-	n.lockSQL = "SELECT attempts FROM " + t + " WHERE id = $1 AND claim_token = $2 AND status = 'processing' FOR UPDATE"
+	n.lockSQL = "SELECT payload, metadata FROM " + t + " WHERE id = $1 AND claim_token = $2 AND status = 'processing' FOR UPDATE"
 	// Fails (division_by_zero) when the token no longer matches, aborting the transaction.
 	n.doneSQL = "WITH u AS (UPDATE " + t + " SET status = 'done', done_at = now(), claim_token = NULL, last_error = NULL" +
 		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING 1)" +
@@ -147,8 +176,10 @@ RETURNING t.id, t.message_id, t.message_uuid, t.aggregate_key, t.topic, t.payloa
 		" last_error = coalesce($5::text, last_error), attempts = attempts + $6::int," +
 		" claim_token = NULL, claimed_by = NULL, claimed_at = NULL" +
 		" WHERE id = $1 AND claim_token = $2 AND status = 'processing' RETURNING attempts"
-	n.releaseSQL = "UPDATE " + t + " SET status = 'pending', claim_token = NULL, claimed_by = NULL, claimed_at = NULL" +
-		" WHERE id = ANY($1::bigint[]) AND claim_token = $2 AND status = 'processing'"
+	// $1, $2: the rows' ids and their claims' tokens, pairwise.
+	n.releaseSQL = "UPDATE " + t + " t SET status = 'pending', claim_token = NULL, claimed_by = NULL, claimed_at = NULL" +
+		" FROM unnest($1::bigint[], $2::uuid[]) AS r(id, token)" +
+		" WHERE t.id = r.id AND t.claim_token = r.token AND t.status = 'processing'"
 	// Rows whose transaction is open are locked: SKIP LOCKED leaves them to their worker.
 	n.reapSQL = `UPDATE ` + t + ` t SET status = 'pending', claim_token = NULL, claimed_by = NULL, claimed_at = NULL, next_attempt_at = now()
 FROM (SELECT id FROM ` + t + `
@@ -162,6 +193,7 @@ WHERE t.id = s.id`
         (SELECT min(received_at) FROM ` + t + ` WHERE consumer_name = $1 AND status <> 'done' AND aggregate_key IS NOT NULL AND status = 'pending')),
   (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'processing'),
   (SELECT count(*) FROM ` + t + ` WHERE consumer_name = $1 AND status = 'dead'),
+  ` + stuckSQL + `,
   now()`
 	n.replaySQL = `WITH r AS (
   UPDATE ` + t + ` SET status = 'pending', attempts = 0, next_attempt_at = now(), done_at = NULL, dead_at = NULL,

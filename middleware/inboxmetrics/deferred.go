@@ -20,13 +20,14 @@ import (
 //	watermill_inbox_deferred_oldest_pending_age_seconds gauge   now - the oldest pending row's received_at (database clock); 0 when none
 //	watermill_inbox_deferred_processing_rows           gauge    rows claimed by workers
 //	watermill_inbox_deferred_dead_rows                 gauge    rows in status dead
+//	watermill_inbox_deferred_stuck_aggregates          gauge    aggregates whose head has waited longer than deferred.Config.StuckAfter (deferred.Stats.StuckAggregates)
 //	watermill_inbox_deferred_rows_total{event}         counter  this process: received, duplicate, collision, refused, done, failed, dead, fenced, reaped
 //	watermill_inbox_deferred_stats_up                  gauge    1 when the last read succeeded, 0 when it failed (the row gauges are then absent)
 type DeferredCollector struct {
 	inboxes []*deferred.Inbox
 	timeout time.Duration
 
-	pending, oldest, processing, dead, rows, up *prometheus.Desc
+	pending, oldest, processing, dead, stuck, rows, up *prometheus.Desc
 }
 
 // NewDeferredCollector returns a collector for the given store-then-process inboxes (one per
@@ -45,6 +46,7 @@ func NewDeferredCollector(timeout time.Duration, inboxes ...*deferred.Inbox) *De
 		oldest:     d("oldest_pending_age_seconds", "Age of the oldest pending store-then-process row, in seconds (database clock); 0 when none is pending."),
 		processing: d("processing_rows", "Store-then-process rows claimed by workers."),
 		dead:       d("dead_rows", "Store-then-process rows in status dead (attempts used up or a permanent error)."),
+		stuck:      d("stuck_aggregates", "Store-then-process aggregates whose head row has waited longer than the inbox's StuckAfter (a gap in producer sequences, a failing or dead head holding its aggregate, or workers behind)."),
 		rows:       d("rows_total", "Store-then-process events in this process, by event.", "event"),
 		up:         d("stats_up", "1 when the last read of the store-then-process table succeeded, else 0."),
 	}
@@ -52,7 +54,7 @@ func NewDeferredCollector(timeout time.Duration, inboxes ...*deferred.Inbox) *De
 
 // Describe implements prometheus.Collector.
 func (c *DeferredCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.processing, c.dead, c.rows, c.up} {
+	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.processing, c.dead, c.stuck, c.rows, c.up} {
 		ch <- d
 	}
 }
@@ -83,6 +85,7 @@ func (c *DeferredCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, st.OldestPendingAge.Seconds(), name)
 		ch <- prometheus.MustNewConstMetric(c.processing, prometheus.GaugeValue, float64(st.Processing), name)
 		ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.Dead), name)
+		ch <- prometheus.MustNewConstMetric(c.stuck, prometheus.GaugeValue, float64(st.StuckAggregates), name)
 		for _, k := range counters {
 			ch <- prometheus.MustNewConstMetric(c.rows, prometheus.CounterValue, float64(k.n), name, k.event)
 		}

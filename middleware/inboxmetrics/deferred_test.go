@@ -110,3 +110,32 @@ watermill_inbox_deferred_stats_up{consumer="billing"} 0
 		t.Fatal(err)
 	}
 }
+
+// TestDeferredCollectorStuckAggregates: the stuck-aggregates gauge is the table's count of
+// aggregates whose head has waited longer than StuckAfter (a gap in producer sequences: 1 done,
+// 3 pending for an hour), not those whose head is fresh.
+func TestDeferredCollectorStuckAggregates(t *testing.T) {
+	sch := testenv.NewSchema(t, 2)
+	ctx := context.Background()
+	ib, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "billing",
+		Ordering: deferred.OrderProducerSequence, SequenceField: "seq", StuckAfter: time.Minute}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ib.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sch.Exec(t, `INSERT INTO inbox_deferred (message_id, consumer_name, message_uuid, aggregate_key, producer_seq, payload, payload_hash, status, received_at)
+		VALUES ('gap-1', 'billing', 'gap-1', 'gap', 1, '\x00', '\x00', 'done', now() - interval '2 hours'),
+		       ('gap-3', 'billing', 'gap-3', 'gap', 3, '\x00', '\x00', 'pending', now() - interval '1 hour'),
+		       ('fresh-1', 'billing', 'fresh-1', 'fresh', 1, '\x00', '\x00', 'pending', now())`)
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(inboxmetrics.NewDeferredCollector(time.Second, ib))
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP watermill_inbox_deferred_stuck_aggregates Store-then-process aggregates whose head row has waited longer than the inbox's StuckAfter (a gap in producer sequences, a failing or dead head holding its aggregate, or workers behind).
+# TYPE watermill_inbox_deferred_stuck_aggregates gauge
+watermill_inbox_deferred_stuck_aggregates{consumer="billing"} 1
+`), "watermill_inbox_deferred_stuck_aggregates"); err != nil {
+		t.Fatal(err)
+	}
+}
