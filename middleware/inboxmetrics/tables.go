@@ -80,9 +80,10 @@ type TableConfig struct {
 // counts are exact but capped (TableConfig.CountCap), as these tables normally hold only
 // messages in flight. With a retention window configured (pgstore.Config.Retention) it reports
 // the window, and on a partitioned table the lead of its newest partition (read with
-// pgstore.Store.Partitions, through the store's pool), so an alert can compare the oldest
-// row with the window and see the partitions running out. A failed scrape reports watermill_inbox_table_stats_up 0 and nothing
-// else for that table, so the rest of the registry still scrapes.
+// pgstore.Store.Partitions, through the store's pool), so an alert can compare the oldest row
+// with the window and see the partitions running out. A failed scrape reports
+// watermill_inbox_table_stats_up 0 and nothing else for that table, so the rest of the
+// registry still scrapes.
 type TableCollector struct {
 	q                                     Querier
 	cfg                                   TableConfig
