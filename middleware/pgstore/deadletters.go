@@ -34,11 +34,16 @@ const DiscardBatchSize = 1000
 // DeadLetterRecord is one dead-lettered attempt record.
 type DeadLetterRecord struct {
 	// MessageID is the key (the message UUID, or the business key the inbox was keyed by).
-	MessageID    string    `json:"message_id"`
-	ConsumerName string    `json:"consumer_name"`
-	Attempts     int       `json:"attempts"`
-	Reason       string    `json:"reason"`
-	LastError    string    `json:"last_error,omitempty"`
+	MessageID string `json:"message_id"`
+	// ConsumerName is the consumer whose inbox dead-lettered it.
+	ConsumerName string `json:"consumer_name"`
+	// Attempts is the message's durable attempt count (handler runs counted).
+	Attempts int `json:"attempts"`
+	// Reason is the stored dead-letter reason ("" when none was stored).
+	Reason string `json:"reason"`
+	// LastError is the last handler error, truncated to 1 KiB; never a payload.
+	LastError string `json:"last_error,omitempty"`
+	// DeadLettered is when it was dead-lettered (dead_lettered_at, the database's clock).
 	DeadLettered time.Time `json:"dead_lettered_at"`
 }
 
@@ -104,6 +109,7 @@ func (s *Store) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLett
 
 // DeadLetterReason is one group of dead-lettered records: one consumer, one reason.
 type DeadLetterReason struct {
+	// ConsumerName is the consumer whose inbox dead-lettered them.
 	ConsumerName string `json:"consumer_name"`
 	// Reason is the stored dead-letter reason ("" when none was stored).
 	Reason string `json:"reason"`
