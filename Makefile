@@ -3,7 +3,7 @@ GO     ?= go
 BROKER ?= postgres
 MODE   ?= immediate
 
-.PHONY: demo test test-short bench services vet bench-relay soak
+.PHONY: demo test test-short bench services vet rules bench-relay soak
 
 ## demo: the main job: real messages through a real broker, real duplicates, real crashes,
 ## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process;
@@ -14,8 +14,9 @@ demo:
 ## test: vet, then every test against the real PostgreSQL, RabbitMQ, NATS and Redis, with the race
 ## detector, including the two that restart the machine's PostgreSQL cluster and RabbitMQ node
 ## (INBOX_TEST_RESTART_SERVICES=1; a plain `go test ./...` skips them). Packages run one at a
-## time (-p 1): a restart must not overlap with another package's tests.
-test: vet
+## time (-p 1): a restart must not overlap with another package's tests. The alert rules'
+## unit tests (rules) run first.
+test: vet rules
 	INBOX_TEST_RESTART_SERVICES=1 $(GO) test -race -count=1 -p 1 -timeout 20m ./...
 	# The RabbitMQ restart test, built without -race: the reconnect of watermill-amqp v3.0.2
 	# has a data race of its own (see tests/rabbitrestart_test.go).
@@ -27,6 +28,13 @@ test-short:
 
 vet:
 	$(GO) vet ./...
+
+## rules: check the Prometheus alert and recording rules and run their unit tests (promtool,
+## from Debian's prometheus package; `make services` installs it when it is missing).
+PROMTOOL ?= promtool
+rules:
+	$(PROMTOOL) check rules deploy/prometheus/inbox.rules.yml
+	cd deploy/prometheus && $(PROMTOOL) test rules inbox.rules_test.yml
 
 ## bench: the inbox against a bare transaction, at 1, 8 and 32 concurrent deliveries.
 bench:

@@ -1,8 +1,11 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -11,8 +14,9 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
-// since reads --since: an RFC 3339 time, or a duration back from now ("24h", "7d").
-func since(s string) (time.Time, error) {
+// pointInTime reads --since or --until (named by flag): an RFC 3339 time, or a duration back
+// from now ("24h", "7d"). "" is the zero time (no bound).
+func pointInTime(flag, s string) (time.Time, error) {
 	if s == "" {
 		return time.Time{}, nil
 	}
@@ -21,7 +25,7 @@ func since(s string) (time.Time, error) {
 	}
 	var d time.Duration
 	if err := (days{&d}).Set(s); err != nil {
-		return time.Time{}, usageError{fmt.Errorf("--since: want an RFC 3339 time or a duration such as 24h or 7d, got %q", s)}
+		return time.Time{}, usageError{fmt.Errorf("%s: want an RFC 3339 time or a duration such as 24h or 7d, got %q", flag, s)}
 	}
 	return time.Now().Add(-d), nil
 }
@@ -29,81 +33,181 @@ func since(s string) (time.Time, error) {
 func deadCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "dead",
-		Short: "List dead-lettered messages, or clear their state so they run again (replay)",
+		Short: "List dead-lettered messages by reason, clear their state so they run again (replay), or discard them",
 		Args:  usageArgs(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return usageError{fmt.Errorf("dead: name a subcommand: list or replay")}
+			return usageError{fmt.Errorf("dead: name a subcommand: list, replay or discard")}
 		},
 	}
-	cmd.AddCommand(deadListCmd(), deadReplayCmd())
+	cmd.AddCommand(deadListCmd(), deadReplayCmd(), deadDiscardCmd())
 	return cmd
+}
+
+// deadSelection is the flags that select dead letters: a consumer, a reason and a time range
+// of dead_lettered_at.
+type deadSelection struct {
+	consumer, reason, since, until string
+}
+
+func (s *deadSelection) register(cmd *cobra.Command, consumerHelp string) {
+	fl := cmd.Flags()
+	fl.StringVar(&s.consumer, "consumer", "", consumerHelp)
+	fl.StringVar(&s.reason, "reason", "", "only dead letters with exactly this reason (as dead list prints it)")
+	fl.StringVar(&s.since, "since", "", "only dead-lettered at or after: an RFC 3339 time or a duration back from now (24h, 7d)")
+	fl.StringVar(&s.until, "until", "", "only dead-lettered before: an RFC 3339 time or a duration back from now")
+}
+
+// ranged reports whether a reason or a time bound was given (a selection beyond the consumer).
+func (s *deadSelection) ranged() bool { return s.reason != "" || s.since != "" || s.until != "" }
+
+// filter returns the selection as a store filter, or a usage error for a bad time or an empty
+// range.
+func (s *deadSelection) filter() (pgstore.DeadLetterFilter, error) {
+	f := pgstore.DeadLetterFilter{ConsumerName: s.consumer, Reason: s.reason}
+	var err error
+	if f.Since, err = pointInTime("--since", s.since); err != nil {
+		return f, err
+	}
+	if f.Until, err = pointInTime("--until", s.until); err != nil {
+		return f, err
+	}
+	if !f.Since.IsZero() && !f.Until.IsZero() && !f.Since.Before(f.Until) {
+		return f, usageError{errors.New("--since must be before --until")}
+	}
+	return f, nil
 }
 
 func deadListCmd() *cobra.Command {
 	var f storeFlags
-	var filter pgstore.DeadLetterFilter
-	var sinceFlag string
-	var asJSON bool
+	var sel deadSelection
+	var limit int
+	var records, asJSON bool
 	cmd := &cobra.Command{
 		Use:   "list",
-		Short: "List dead-lettered messages: key, consumer, attempts, when and why",
-		Args:  usageArgs(cobra.NoArgs),
+		Short: "List dead letters grouped by consumer and reason (count, first and last seen), or each record (--records)",
+		Long: "Groups the dead-lettered records by consumer and reason: how many, when the first and the\n" +
+			"last were dead-lettered, the group seen first first. --records lists each record instead:\n" +
+			"when, consumer, key, attempts, reason. Work through one incident at a time: take a reason\n" +
+			"from here to dead replay or dead discard with --reason, --since and --until.",
+		Args: usageArgs(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			var err error
-			if filter.Since, err = since(sinceFlag); err != nil {
+			filter, err := sel.filter()
+			if err != nil {
 				return err
 			}
+			filter.Limit = limit
 			store, pool, err := f.connect(cmd.Context(), pgstore.Config{})
 			if err != nil {
 				return err
 			}
 			defer pool.Close()
-			recs, err := store.DeadLetters(cmd.Context(), filter)
-			if err != nil {
-				return err
+			if records {
+				return listDeadRecords(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), store, filter, asJSON)
 			}
-			w := cmd.OutOrStdout()
-			if asJSON {
-				if recs == nil {
-					recs = []pgstore.DeadLetterRecord{}
-				}
-				return json.NewEncoder(w).Encode(recs)
-			}
-			for _, r := range recs {
-				fmt.Fprintf(w, "%s\t%q\t%q\tattempts=%d\treason=%q\n", r.DeadLettered.UTC().Format(time.RFC3339), r.ConsumerName, r.MessageID, r.Attempts, r.Reason)
-			}
-			fmt.Fprintf(cmd.ErrOrStderr(), "%d dead-lettered\n", len(recs))
-			return nil
+			return listDeadReasons(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), store, filter, asJSON)
 		},
 	}
 	f.register(cmd)
-	cmd.Flags().StringVar(&filter.ConsumerName, "consumer", "", "only this consumer")
-	cmd.Flags().StringVar(&sinceFlag, "since", "", "only dead-lettered at or after: an RFC 3339 time or a duration back from now (24h, 7d)")
-	cmd.Flags().IntVar(&filter.Limit, "limit", 1000, "at most this many (0: no limit)")
+	sel.register(cmd, "only this consumer")
+	cmd.Flags().IntVar(&limit, "limit", 1000, "at most this many groups (with --records: records) (0: no limit)")
+	cmd.Flags().BoolVar(&records, "records", false, "list each dead-lettered record, oldest first, instead of the groups")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
 	return cmd
 }
 
+// listDeadReasons prints the groups of dead letters filter selects, one line each (or a JSON
+// array), and their total to errw.
+func listDeadReasons(ctx context.Context, w, errw io.Writer, store *pgstore.Store, filter pgstore.DeadLetterFilter, asJSON bool) error {
+	groups, err := store.DeadLetterReasons(ctx, filter)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		if groups == nil {
+			groups = []pgstore.DeadLetterReason{}
+		}
+		return json.NewEncoder(w).Encode(groups)
+	}
+	var n int64
+	for _, g := range groups {
+		fmt.Fprintf(w, "%q\treason=%q\tcount=%d\tfirst=%s\tlast=%s\n", g.ConsumerName, g.Reason, g.Count,
+			g.FirstSeen.UTC().Format(time.RFC3339), g.LastSeen.UTC().Format(time.RFC3339))
+		n += g.Count
+	}
+	fmt.Fprintf(errw, "%d dead-lettered in %d groups\n", n, len(groups))
+	return nil
+}
+
+// listDeadRecords prints the dead-lettered records filter selects, one line each (or a JSON
+// array), and their number to errw.
+func listDeadRecords(ctx context.Context, w, errw io.Writer, store *pgstore.Store, filter pgstore.DeadLetterFilter, asJSON bool) error {
+	recs, err := store.DeadLetters(ctx, filter)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		if recs == nil {
+			recs = []pgstore.DeadLetterRecord{}
+		}
+		return json.NewEncoder(w).Encode(recs)
+	}
+	for _, r := range recs {
+		fmt.Fprintf(w, "%s\t%q\t%q\tattempts=%d\treason=%q\n", r.DeadLettered.UTC().Format(time.RFC3339), r.ConsumerName, r.MessageID, r.Attempts, r.Reason)
+	}
+	fmt.Fprintf(errw, "%d dead-lettered\n", len(recs))
+	return nil
+}
+
+// deadTarget reads a replay's or a discard's arguments: one message ID, or a selection
+// (--reason, --since, --until), not both and not neither; --consumer always. It returns the
+// filter of the dead letters to act on.
+func deadTarget(sel *deadSelection, args []string) (pgstore.DeadLetterFilter, error) {
+	if sel.consumer == "" {
+		return pgstore.DeadLetterFilter{}, usageError{errors.New("--consumer is required")}
+	}
+	if (len(args) == 1) == sel.ranged() {
+		return pgstore.DeadLetterFilter{}, usageError{errors.New("name one message ID, or select with --reason, --since or --until, not both and not neither")}
+	}
+	filter, err := sel.filter()
+	if len(args) == 1 {
+		filter.MessageID = args[0]
+	}
+	return filter, err
+}
+
+// printDryRun prints what filter selects, by reason, and what the command would do with it.
+func printDryRun(ctx context.Context, w io.Writer, store *pgstore.Store, filter pgstore.DeadLetterFilter, verb string) error {
+	groups, err := store.DeadLetterReasons(ctx, filter)
+	if err != nil {
+		return err
+	}
+	var n int64
+	for _, g := range groups {
+		fmt.Fprintf(w, "would %s %d\treason=%q\tfirst=%s\tlast=%s\n", verb, g.Count, g.Reason,
+			g.FirstSeen.UTC().Format(time.RFC3339), g.LastSeen.UTC().Format(time.RFC3339))
+		n += g.Count
+	}
+	_, err = fmt.Fprintf(w, "dry run: would %s %d dead letters of consumer %q; nothing changed\n", verb, n, filter.ConsumerName)
+	return err
+}
+
 func deadReplayCmd() *cobra.Command {
 	var f storeFlags
-	var consumer, sinceFlag string
+	var sel deadSelection
+	var dryRun bool
 	cmd := &cobra.Command{
-		Use:   "replay [message-id] --consumer C | replay --consumer C --since T",
-		Short: "Clear the dead-lettered state of one message, or of every one since T, so the next delivery runs the handler",
+		Use:   "replay [message-id] --consumer C | replay --consumer C [--reason R] [--since T] [--until T]",
+		Short: "Clear the dead-lettered state of one message, or of those selected by reason and time, so the next delivery runs the handler",
 		Long: "Clears the dead-lettered state and attempt count (inbox.Inbox.Replay) of the named key, or\n" +
-			"of every key of --consumer dead-lettered since --since. The next delivery of each runs\n" +
-			"the handler again: republish the dead letters from the dead-letter topic (or let the\n" +
-			"broker redeliver). The key is the one `dead list` prints (the business key when the\n" +
-			"consumer uses one).",
+			"of every key of --consumer selected by --reason (exact), --since (inclusive) and --until\n" +
+			"(exclusive) on the time it was dead-lettered. The next delivery of each runs the handler\n" +
+			"again: republish the dead letters from the dead-letter topic (or let the broker\n" +
+			"redeliver). A dead letter whose key was processed since is refused and its record\n" +
+			"deleted. The key is the one `dead list --records` prints (the business key when the\n" +
+			"consumer uses one). --dry-run prints what would be cleared, by reason, and changes nothing.",
 		Args: usageArgs(cobra.MaximumNArgs(1)),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if consumer == "" {
-				return usageError{fmt.Errorf("--consumer is required")}
-			}
-			if (len(args) == 1) == (sinceFlag != "") {
-				return usageError{fmt.Errorf("name one message ID, or --since, not both and not neither")}
-			}
-			from, err := since(sinceFlag)
+			filter, err := deadTarget(&sel, args)
 			if err != nil {
 				return err
 			}
@@ -112,13 +216,17 @@ func deadReplayCmd() *cobra.Command {
 				return err
 			}
 			defer pool.Close()
-			ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: consumer}, nil)
+			ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: sel.consumer}, nil)
 			if err != nil {
 				return usageError{err}
 			}
+			w := cmd.OutOrStdout()
+			if dryRun {
+				return printDryRun(cmd.Context(), w, store, filter, "clear")
+			}
 			keys := args
 			if len(args) == 0 {
-				recs, err := store.DeadLetters(cmd.Context(), pgstore.DeadLetterFilter{ConsumerName: consumer, Since: from})
+				recs, err := store.DeadLetters(cmd.Context(), filter)
 				if err != nil {
 					return err
 				}
@@ -126,7 +234,6 @@ func deadReplayCmd() *cobra.Command {
 					keys = append(keys, r.MessageID)
 				}
 			}
-			w := cmd.OutOrStdout()
 			n := 0
 			for _, k := range keys {
 				ok, err := ib.Replay(cmd.Context(), k)
@@ -137,17 +244,63 @@ func deadReplayCmd() *cobra.Command {
 					if len(args) == 1 {
 						return fmt.Errorf("replay %q: %w", k, inbox.ErrNotDeadLettered)
 					}
-					continue // replayed meanwhile
+					continue // replayed meanwhile, or processed since
 				}
 				n++
 				fmt.Fprintf(w, "cleared %q\n", k)
 			}
-			fmt.Fprintf(w, "%d cleared for consumer %q: republish them from the dead-letter topic (or let the broker redeliver)\n", n, consumer)
+			fmt.Fprintf(w, "%d cleared for consumer %q: republish them from the dead-letter topic (or let the broker redeliver)\n", n, sel.consumer)
 			return nil
 		},
 	}
 	f.register(cmd)
-	cmd.Flags().StringVar(&consumer, "consumer", "", "the consumer name (required)")
-	cmd.Flags().StringVar(&sinceFlag, "since", "", "every dead letter of --consumer since: an RFC 3339 time or a duration back from now")
+	sel.register(cmd, "the consumer name (required)")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be cleared, by reason; change nothing")
+	return cmd
+}
+
+func deadDiscardCmd() *cobra.Command {
+	var f storeFlags
+	var sel deadSelection
+	var dryRun bool
+	cmd := &cobra.Command{
+		Use:   "discard [message-id] --consumer C | discard --consumer C [--reason R] [--since T] [--until T]",
+		Short: "Delete the dead-letter records of one message, or of those selected by reason and time, that nobody will replay",
+		Long: "Deletes the dead-lettered records (pgstore.Store.DiscardDeadLetters) of the named key, or\n" +
+			"of every key of --consumer selected by --reason (exact), --since (inclusive) and --until\n" +
+			"(exclusive) on the time it was dead-lettered: what the purge does once the dead-letter\n" +
+			"window has passed, done now for one incident. The key is then no longer dead-lettered:\n" +
+			"a copy delivered later runs the handler as a new message (and, if it fails again, is\n" +
+			"dead-lettered again). Drop the messages from the dead-letter topic too. --dry-run prints\n" +
+			"what would be discarded, by reason, and changes nothing.",
+		Args: usageArgs(cobra.MaximumNArgs(1)),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			filter, err := deadTarget(&sel, args)
+			if err != nil {
+				return err
+			}
+			store, pool, err := f.connect(cmd.Context(), pgstore.Config{})
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			w := cmd.OutOrStdout()
+			if dryRun {
+				return printDryRun(cmd.Context(), w, store, filter, "discard")
+			}
+			n, err := store.DiscardDeadLetters(cmd.Context(), filter)
+			if err != nil {
+				return fmt.Errorf("%w (%d discarded before the error)", err, n)
+			}
+			if len(args) == 1 && n == 0 {
+				return fmt.Errorf("discard %q: %w", args[0], inbox.ErrNotDeadLettered)
+			}
+			_, err = fmt.Fprintf(w, "%d discarded for consumer %q\n", n, sel.consumer)
+			return err
+		},
+	}
+	f.register(cmd)
+	sel.register(cmd, "the consumer name (required)")
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be discarded, by reason; change nothing")
 	return cmd
 }

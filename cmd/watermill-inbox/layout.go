@@ -187,18 +187,37 @@ func layoutConvertCmd() *cobra.Command {
 // dryRun runs it on one connection, then verifies the result with Migrate (which also creates
 // the partitions claims need right away).
 func convertLayout(ctx context.Context, out io.Writer, pool *pgxpool.Pool, from, to pgstore.Config, dryRun bool, lockTimeout time.Duration) error {
-	var have pgstore.Config
-	var check pgstore.ConversionCheck
-	same := false
-	// Everything before the conversion reads only, in a READ ONLY transaction.
-	err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		var err error
-		if have, err = pgstore.DetectLayout(ctx, tx, from); err != nil {
+	check, same, err := checkLayoutConversion(ctx, out, pool, from, to)
+	switch {
+	case err != nil:
+		return err
+	case same:
+		_, err := fmt.Fprintln(out, "nothing to do: the table already has that layout")
+		return err
+	case dryRun:
+		_, err := fmt.Fprintln(out, "dry run: the conversion would succeed; nothing changed")
+		return err
+	}
+	took, err := runLayoutScript(ctx, pool, from, to, lockTimeout)
+	if err != nil {
+		return err
+	}
+	return verifyConversion(ctx, out, pool, to, check, took)
+}
+
+// checkLayoutConversion reads, in a READ ONLY transaction, the table's layout and what the
+// conversion from it to to would do, and prints both. same reports that the table already
+// has to's layout (nothing to check). It returns a refusedError when the conversion must not
+// run: a source other than the text layout unpartitioned, keys the new layout cannot hold, or
+// an existing <table>_old.
+func checkLayoutConversion(ctx context.Context, out io.Writer, pool *pgxpool.Pool, from, to pgstore.Config) (check pgstore.ConversionCheck, same bool, err error) {
+	err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		have, err := pgstore.DetectLayout(ctx, tx, from)
+		if err != nil {
 			return err
 		}
 		fmt.Fprintf(out, "table %s: %s; converting to %s\n", pgx.Identifier{have.Schema, have.Table}.Sanitize(), describeLayout(have), describeLayout(to))
-		if have.Layout == to.Layout && (have.Partitioning == nil) == (to.Partitioning == nil) &&
-			(have.Partitioning == nil || have.Partitioning.Interval == to.Partitioning.Interval) {
+		if sameLayout(have, to) {
 			same = true
 			return nil
 		}
@@ -213,39 +232,48 @@ func convertLayout(ctx context.Context, out io.Writer, pool *pgxpool.Pool, from,
 			fmt.Fprintf(out, "; partitions to create %d", check.Periods)
 		}
 		fmt.Fprintln(out)
-		switch {
-		case check.Unconvertible > 0:
-			what := "a canonical lowercase UUID"
-			if to.Partitioning != nil {
-				what = "a canonical lowercase UUIDv7"
-			}
-			return refusedError{fmt.Errorf("%d rows have a message_id that is not %s: the %s layout cannot hold them (nothing changed)", check.Unconvertible, what, describeLayout(to))}
-		case check.OldTableExists:
-			return refusedError{fmt.Errorf("%s exists (an earlier conversion's old rows?): drop or rename it first (nothing changed)", check.OldTable)}
-		}
-		return nil
+		return refuseConversion(check, to)
 	})
+	return check, same, err
+}
+
+// sameLayout reports whether have and to name the same layout and partitioning interval.
+func sameLayout(have, to pgstore.Config) bool {
+	return have.Layout == to.Layout && (have.Partitioning == nil) == (to.Partitioning == nil) &&
+		(have.Partitioning == nil || have.Partitioning.Interval == to.Partitioning.Interval)
+}
+
+// refuseConversion returns a refusedError when check found keys to's layout cannot hold or an
+// existing <table>_old, and nil otherwise.
+func refuseConversion(check pgstore.ConversionCheck, to pgstore.Config) error {
 	switch {
-	case err != nil:
-		return err
-	case same:
-		_, err := fmt.Fprintln(out, "nothing to do: the table already has that layout")
-		return err
-	case dryRun:
-		_, err := fmt.Fprintln(out, "dry run: the conversion would succeed; nothing changed")
-		return err
+	case check.Unconvertible > 0:
+		what := "a canonical lowercase UUID"
+		if to.Partitioning != nil {
+			what = "a canonical lowercase UUIDv7"
+		}
+		return refusedError{fmt.Errorf("%d rows have a message_id that is not %s: the %s layout cannot hold them (nothing changed)", check.Unconvertible, what, describeLayout(to))}
+	case check.OldTableExists:
+		return refusedError{fmt.Errorf("%s exists (an earlier conversion's old rows?): drop or rename it first (nothing changed)", check.OldTable)}
 	}
+	return nil
+}
+
+// runLayoutScript runs pgstore.LayoutMigrationSQL(from, to) on one connection with
+// lock_timeout set to lockTimeout, and returns how long it took. A failure rolls the script's
+// one transaction back; a refusal raised by the script (SQLSTATE P0001) is a refusedError.
+func runLayoutScript(ctx context.Context, pool *pgxpool.Pool, from, to pgstore.Config, lockTimeout time.Duration) (time.Duration, error) {
 	script, err := pgstore.LayoutMigrationSQL(from, to)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
-		return fmt.Errorf("convert: %w", err)
+		return 0, fmt.Errorf("convert: %w", err)
 	}
 	defer conn.Release()
 	if _, err := conn.Exec(ctx, "SELECT set_config('lock_timeout', $1, false)", fmt.Sprint(lockTimeout.Milliseconds())); err != nil {
-		return fmt.Errorf("convert: set lock_timeout: %w", err)
+		return 0, fmt.Errorf("convert: set lock_timeout: %w", err)
 	}
 	start := time.Now()
 	if _, err := conn.Exec(ctx, script); err != nil {
@@ -255,13 +283,18 @@ func convertLayout(ctx context.Context, out io.Writer, pool *pgxpool.Pool, from,
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == "55P03":
-			return fmt.Errorf("convert: the table's lock was not granted within --lock-timeout %s (transactions are using it; nothing changed): %w", lockTimeout, err)
+			return 0, fmt.Errorf("convert: the table's lock was not granted within --lock-timeout %s (transactions are using it; nothing changed): %w", lockTimeout, err)
 		case errors.As(err, &pgErr) && pgErr.Code == "P0001":
-			return refusedError{fmt.Errorf("convert: refused (nothing changed): %w", err)}
+			return 0, refusedError{fmt.Errorf("convert: refused (nothing changed): %w", err)}
 		}
-		return fmt.Errorf("convert (rolled back, nothing changed): %w", err)
+		return 0, fmt.Errorf("convert (rolled back, nothing changed): %w", err)
 	}
-	took := time.Since(start)
+	return time.Since(start), nil
+}
+
+// verifyConversion checks the converted table with Migrate, compares its rows with
+// <table>_old's and prints the result and the next step.
+func verifyConversion(ctx context.Context, out io.Writer, pool *pgxpool.Pool, to pgstore.Config, check pgstore.ConversionCheck, took time.Duration) error {
 	store, err := pgstore.New(pool, to)
 	if err != nil {
 		return err

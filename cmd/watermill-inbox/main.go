@@ -15,9 +15,10 @@
 //
 //	watermill-inbox purge --window 14d [--dry-run] [--topic inbox_outbox]
 //	watermill-inbox stats [--json]
-//	watermill-inbox dead list [--consumer billing] [--since 24h] [--json]
+//	watermill-inbox dead list [--consumer billing] [--since 24h] [--records] [--json]
 //	watermill-inbox dead replay <message-id> --consumer billing
-//	watermill-inbox dead replay --consumer billing --since 2026-11-30T00:00:00Z
+//	watermill-inbox dead replay --consumer billing --reason "..." --since 2026-11-30T00:00:00Z --until 2h [--dry-run]
+//	watermill-inbox dead discard --consumer billing --reason "..." [--since T] [--until T] [--dry-run]
 //
 // The database URL comes from --database-url or INBOX_DATABASE_URL (or DATABASE_URL). Errors
 // are printed to standard error; a URL's password never is. Exit status (see exitCode): 0 on

@@ -121,12 +121,12 @@ func TestStatsAndDeadCommands(t *testing.T) {
 		t.Fatalf("stats: %v\n%s", err, out)
 	}
 
-	out, err = run(t, append([]string{"dead", "list", "--consumer", "billing", "--json"}, conn...)...)
+	out, err = run(t, append([]string{"dead", "list", "--records", "--consumer", "billing", "--json"}, conn...)...)
 	var recs []pgstore.DeadLetterRecord
 	if err != nil || json.Unmarshal([]byte(out), &recs) != nil || len(recs) != 2 || recs[0].MessageID != "p1" || recs[0].Attempts != 5 || recs[1].Reason != "older than the retention window" {
 		t.Fatalf("dead list --json: %v\n%s", err, out)
 	}
-	if out, err = run(t, append([]string{"dead", "list", "--since", "1h"}, conn...)...); err != nil || strings.Contains(out, "p1") || !strings.Contains(out, "p3") {
+	if out, err = run(t, append([]string{"dead", "list", "--records", "--since", "1h"}, conn...)...); err != nil || strings.Contains(out, "p1") || !strings.Contains(out, "p3") {
 		t.Fatalf("dead list --since 1h: %v\n%s", err, out)
 	}
 
@@ -169,8 +169,8 @@ func TestRetentionCommandsRefuseBadInput(t *testing.T) {
 		{[]string{"stats", "extra-arg"}, exitUsage, "unknown command"},
 		{[]string{"dead", "list", "--since", "last tuesday"}, exitUsage, "--since"},
 		{[]string{"dead", "replay", "k1"}, exitUsage, "--consumer is required"},
-		{[]string{"dead", "replay", "--consumer", "billing"}, exitUsage, "one message ID, or --since"},
-		{[]string{"dead"}, exitUsage, "list or replay"},
+		{[]string{"dead", "replay", "--consumer", "billing"}, exitUsage, "one message ID, or select with --reason, --since or --until"},
+		{[]string{"dead"}, exitUsage, "list, replay or discard"},
 	} {
 		out, err := run(t, c.args...)
 		if err == nil || exitCode(err) != c.code || !strings.Contains(err.Error()+out, c.want) {

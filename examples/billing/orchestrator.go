@@ -101,9 +101,26 @@ func runOrchestrator(o options) int {
 }
 
 func (d *demo) run(ctx context.Context, start time.Time) error {
+	seed, err := d.prepare(ctx)
+	if err != nil {
+		return err
+	}
+	switch {
+	case d.o.mode == router.ModeStoreThenProcess:
+		return d.runDeferred(ctx, start)
+	case d.o.soak:
+		return d.soak(ctx, start, mrand.New(mrand.NewPCG(seed^0x5eed, seed)))
+	}
+	return d.runImmediate(ctx, start)
+}
+
+// prepare names the run, connects to PostgreSQL and the broker, creates the schema, the
+// tables and the topics, builds the workload and publishes its deliveries. It returns the
+// workload's seed.
+func (d *demo) prepare(ctx context.Context) (uint64, error) {
 	var b [5]byte
 	if _, err := rand.Read(b[:]); err != nil {
-		return err
+		return 0, err
 	}
 	d.runID = hex.EncodeToString(b[:])
 	d.schema = "billing_demo_" + d.runID
@@ -119,70 +136,51 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 
 	pool, err := openPool(ctx, d.schema, "billing-demo-"+d.runID+"-orchestrator", 4)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	d.pool = pool
 	// Connect to the broker before creating anything, so an unreachable broker leaves no
 	// schema. The postgres adapter creates its tables on first use, in the run's schema.
 	if d.broker, err = newBrokerAdmin(d.o, pool, d.schema, d.topics); err != nil {
-		return err
+		return 0, err
 	}
 	if err := d.setup(ctx); err != nil {
-		return err
+		return 0, err
 	}
 	if d.o.mode == router.ModeStoreThenProcess {
 		if err := d.setupDeferred(ctx); err != nil {
-			return err
+			return 0, err
 		}
 	}
 	if err := d.broker.createTopics(); err != nil {
-		return err
+		return 0, err
 	}
 	w, err := newWorkload(mrand.New(mrand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), d.o.messages, d.o.accounts, d.o.dupRatio, d.o.poison,
 		d.o.mode == router.ModeStoreThenProcess)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	d.w = w
-	unique := int64(len(w.ids))
-
 	if err := d.broker.Publish(w.deliveries); err != nil {
-		return err
+		return 0, err
 	}
 	fmt.Fprintf(d.out, "published   %d deliveries: %d unique payments over %d accounts + %d re-sent with the same UUID and payload\n",
-		len(w.deliveries), unique, d.o.accounts, w.duplicates)
-	if d.o.mode == router.ModeStoreThenProcess {
-		return d.runDeferred(ctx, start)
-	}
+		len(w.deliveries), len(w.ids), d.o.accounts, w.duplicates)
+	return seed, nil
+}
 
-	if d.o.soak {
-		return d.soak(ctx, start, mrand.New(mrand.NewPCG(seed^0x5eed, seed)))
-	}
-
+// runImmediate is run's sequel in the immediate mode, once the payments are published: four
+// consumers (three crashes, then one run to the end), then the checks.
+func (d *demo) runImmediate(ctx context.Context, start time.Time) error {
+	w := d.w
+	unique := int64(len(w.ids))
 	consumeStart := time.Now()
 
 	// 1. Crash after commit, before ack.
-	k := max(1, len(w.ids)/4)
-	c1, err := d.startConsumer(crashPoint{afterCommits: k})
+	r1, rows1, err := d.crashAfterCommit(ctx)
 	if err != nil {
 		return err
 	}
-	if err := c1.wait(ctx); err != nil {
-		return d.childFailure(c1, err)
-	}
-	if !c1.killedBySIGKILL() {
-		return d.childFailure(c1, fmt.Errorf("consumer #1 should have SIGKILLed itself after its %s commit, but it exited: %s", ordinal(k), c1.describeExit()))
-	}
-	r1, ok := c1.report(lineCrash)
-	if !ok {
-		return d.childFailure(c1, errors.New("consumer #1 died without its CRASH report"))
-	}
-	rows1, err := d.inboxRows(ctx)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(d.out, "consumer #1 SIGKILLed itself right after the inbox committed its %s message, before the router acked it (processed %d, duplicates skipped %d); inbox rows %d/%d\n",
-		ordinal(k), r1.Processed, r1.Duplicates, rows1, unique)
 
 	// 2. Killed mid-stream, with a delivery inside its transaction.
 	rows2, lockedAccount, err := d.killMidStream(ctx, rows1)
@@ -196,34 +194,93 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 		lockedAccount, rows2-rows1, rows2, unique)
 
 	// 3. Poison payments; a crash between two of one's attempts.
-	if err := d.broker.Publish(w.poison); err != nil {
+	r3, err := d.poisonWithCrash(ctx)
+	if err != nil {
 		return err
+	}
+
+	// 4. Run to the end, stop gracefully.
+	r4, completeAt, pendingAfter, err := d.lastConsumer(ctx)
+	if err != nil {
+		return err
+	}
+	consumeTime := completeAt.Sub(consumeStart)
+
+	if err := d.verifyImmediate(ctx, r1.ReceiptsDuplicates+r3.ReceiptsDuplicates+r4.ReceiptsDuplicates); err != nil {
+		return err
+	}
+	fmt.Fprintf(d.out, "duplicates  %d deliveries skipped by the billing inbox, counted by consumers #1, #3 and #4 (published duplicates and crash redeliveries; consumer #2's counters died with it)\n",
+		r1.Duplicates+r3.Duplicates+r4.Duplicates)
+	fmt.Fprintf(d.out, "broker      %d left after the stop (%s)\n", pendingAfter, d.broker.pendingMeaning)
+	fmt.Fprintf(d.out, "restarts    3 (consumer started 4 times; 3 crashes: after commit before ack, mid-transaction, inside a poison payment's handler)\n")
+	d.printElapsed(start, consumeTime)
+	return nil
+}
+
+// crashAfterCommit runs consumer #1 until it SIGKILLs itself right after the inbox committed
+// its -messages/4th message, before the router acked it. It returns its CRASH report and the
+// inbox rows counted after its death.
+func (d *demo) crashAfterCommit(ctx context.Context) (consumerReport, int64, error) {
+	k := max(1, len(d.w.ids)/4)
+	c1, err := d.startConsumer(crashPoint{afterCommits: k})
+	if err != nil {
+		return consumerReport{}, 0, err
+	}
+	if err := c1.wait(ctx); err != nil {
+		return consumerReport{}, 0, d.childFailure(c1, err)
+	}
+	if !c1.killedBySIGKILL() {
+		return consumerReport{}, 0, d.childFailure(c1, fmt.Errorf("consumer #1 should have SIGKILLed itself after its %s commit, but it exited: %s", ordinal(k), c1.describeExit()))
+	}
+	r1, ok := c1.report(lineCrash)
+	if !ok {
+		return consumerReport{}, 0, d.childFailure(c1, errors.New("consumer #1 died without its CRASH report"))
+	}
+	rows1, err := d.inboxRows(ctx)
+	if err != nil {
+		return consumerReport{}, 0, err
+	}
+	fmt.Fprintf(d.out, "consumer #1 SIGKILLed itself right after the inbox committed its %s message, before the router acked it (processed %d, duplicates skipped %d); inbox rows %d/%d\n",
+		ordinal(k), r1.Processed, r1.Duplicates, rows1, len(d.w.ids))
+	return r1, rows1, nil
+}
+
+// poisonWithCrash publishes the poison payments and runs consumer #3 until it SIGKILLs itself
+// inside a poison payment's handler, then checks that the inbox counted exactly the handler
+// runs of that payment. It returns the consumer's CRASH report.
+func (d *demo) poisonWithCrash(ctx context.Context) (consumerReport, error) {
+	w := d.w
+	if err := d.broker.Publish(w.poison); err != nil {
+		return consumerReport{}, err
 	}
 	fmt.Fprintf(d.out, "published   %d payments to frozen account %d: poison messages, which the handler rejects on every attempt with an ordinary error\n",
 		len(w.poison), w.frozenAccount)
 	r3, err := d.crashInPoison(ctx)
 	if err != nil {
-		return err
+		return consumerReport{}, err
 	}
 	attempts3, err := d.attemptsOf(ctx, r3.Rejected)
 	if err != nil {
-		return err
+		return consumerReport{}, err
 	}
 	if attempts3 != r3.RejectedRun {
-		return fmt.Errorf("poison payment %s: the inbox counted %d attempts for %d handler runs", r3.Rejected, attempts3, r3.RejectedRun)
+		return consumerReport{}, fmt.Errorf("poison payment %s: the inbox counted %d attempts for %d handler runs", r3.Rejected, attempts3, r3.RejectedRun)
 	}
 	fmt.Fprintf(d.out, "consumer #3 SIGKILLed itself in the handler of poison payment %s, on its attempt %d of %d (rejection logged, transaction open); its inbox attempts row says %d\n",
 		r3.Rejected, r3.RejectedRun, d.o.maxAttempts, attempts3)
+	return r3, nil
+}
 
-	// 4. Run to the end, stop gracefully.
+// lastConsumer runs consumer #4 to the end and stops it gracefully. It returns its STATS
+// report, the time the work was found complete and what the broker holds after the stop.
+func (d *demo) lastConsumer(ctx context.Context) (consumerReport, time.Time, int64, error) {
 	c4, completeAt, err := d.runToCompletion(ctx)
 	if err != nil {
-		return err
+		return consumerReport{}, time.Time{}, 0, err
 	}
-	consumeTime := completeAt.Sub(consumeStart)
 	r4, ok := c4.report(lineStats)
 	if !ok {
-		return d.childFailure(c4, errors.New("consumer #4 exited without its STATS report"))
+		return consumerReport{}, time.Time{}, 0, d.childFailure(c4, errors.New("consumer #4 exited without its STATS report"))
 	}
 	fmt.Fprintf(d.out, "consumer #4 stopped with SIGTERM once every payment was processed or dead-lettered, every receipt counted and the broker drained (processed %d, duplicates skipped %d, dead-lettered %d, failed %d)\n",
 		r4.Processed, r4.Duplicates, r4.DeadLettered, r4.Failed)
@@ -233,15 +290,20 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 	}
 	pendingAfter, err := d.broker.Pending(ctx)
 	if err != nil {
-		return err
+		return consumerReport{}, time.Time{}, 0, err
 	}
+	return r4, completeAt, pendingAfter, nil
+}
 
-	// Verify.
-	// A consumer built with -race reports races on stderr; a SIGKILLed one has no exit status.
-	for _, c := range d.all {
-		if c.stderrContains("WARNING: DATA RACE") {
-			return d.childFailure(c, fmt.Errorf("consumer #%d reported a data race", c.n))
-		}
+// verifyImmediate checks the immediate mode's end state and prints each check: no consumer
+// reported a data race, the inbox holds each published ID once, every balance, the poison
+// payments' dead letters and the receipts. receiptsDuplicates is what the receipts inbox
+// skipped, as the consumers that lived to report it counted.
+func (d *demo) verifyImmediate(ctx context.Context, receiptsDuplicates uint64) error {
+	w := d.w
+	unique := int64(len(w.ids))
+	if err := d.checkRaces(); err != nil {
+		return err
 	}
 	if err := d.verifyInbox(ctx, unique); err != nil {
 		return err
@@ -263,15 +325,27 @@ func (d *demo) run(ctx context.Context, start time.Time) error {
 		return err
 	}
 	fmt.Fprintf(d.out, "receipts    counted %d = %d unique payments, one each, by the receipts inbox; it skipped %d duplicates (relay republishes and crash redeliveries, counted by consumers #1, #3 and #4)\n",
-		unique, unique, r1.ReceiptsDuplicates+r3.ReceiptsDuplicates+r4.ReceiptsDuplicates)
-	fmt.Fprintf(d.out, "duplicates  %d deliveries skipped by the billing inbox, counted by consumers #1, #3 and #4 (published duplicates and crash redeliveries; consumer #2's counters died with it)\n",
-		r1.Duplicates+r3.Duplicates+r4.Duplicates)
-	fmt.Fprintf(d.out, "broker      %d left after the stop (%s)\n", pendingAfter, d.broker.pendingMeaning)
-	fmt.Fprintf(d.out, "restarts    3 (consumer started 4 times; 3 crashes: after commit before ack, mid-transaction, inside a poison payment's handler)\n")
+		unique, unique, receiptsDuplicates)
+	return nil
+}
+
+// checkRaces fails when a consumer reported a data race: one built with -race reports races
+// on stderr (a SIGKILLed one has no exit status).
+func (d *demo) checkRaces() error {
+	for _, c := range d.all {
+		if c.stderrContains("WARNING: DATA RACE") {
+			return d.childFailure(c, fmt.Errorf("consumer #%d reported a data race", c.n))
+		}
+	}
+	return nil
+}
+
+// printElapsed prints the run's elapsed line: the time since start, and the time the
+// consumers ran with the rates it gives.
+func (d *demo) printElapsed(start time.Time, consumeTime time.Duration) {
 	secs := consumeTime.Seconds()
 	fmt.Fprintf(d.out, "elapsed     %.1fs in total; consumers ran %.1fs: %.0f unique payments/s, %.0f published deliveries/s\n",
-		time.Since(start).Seconds(), secs, float64(unique)/secs, float64(len(w.deliveries))/secs)
-	return nil
+		time.Since(start).Seconds(), secs, float64(len(d.w.ids))/secs, float64(len(d.w.deliveries))/secs)
 }
 
 // setup creates the run's schema, migrates the inbox and creates the outbox in it, and creates

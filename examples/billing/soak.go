@@ -47,103 +47,145 @@ const soakSample = 250 * time.Millisecond
 // as unrecovered kills). Finally it fails when the graceful stop of the last consumer logged a
 // line at ERROR level.
 func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error {
-	unique := int64(len(d.w.ids))
 	probe, err := outbox.NewRelay(outbox.RelayConfig{Config: outboxConfig(d.schema), Pool: d.pool, Publisher: noPublisher{}}, nil)
 	if err != nil {
 		return err
 	}
+	s := &soakState{d: d, probe: probe, lastSample: time.Now()}
 	consumeStart := time.Now()
-	var kills, samples, unrecoveredKills int
-	var maxBacklog, maxVisible int64
-	var maxAge, maxGap, maxHold time.Duration
-	var maxHolder string
-	var recoveries []time.Duration
-	// killedAt: the earliest SIGKILL no consumer has settled a delivery after yet.
-	var killedAt time.Time
-	lastSample := time.Now()
-	sample := func() {
-		if lag, err := probe.Lag(ctx); err == nil {
-			maxBacklog = max(maxBacklog, lag.Pending)
-			maxAge = max(maxAge, lag.OldestAge)
-			samples++
-			maxGap = max(maxGap, time.Since(lastSample))
-			lastSample = time.Now()
-		}
-		if h, err := d.horizon(ctx); err == nil {
-			maxVisible = max(maxVisible, h.visible)
-			if h.oldestXact > maxHold {
-				maxHold, maxHolder = h.oldestXact, h.holder
-			}
-		}
-	}
-	// recovered reads c's SETTLED line, once, and records the recovery from killedAt.
-	recovered := func(c *child) {
-		if killedAt.IsZero() {
-			return
-		}
-		r, ok := c.report(lineSettled)
-		if !ok {
-			return
-		}
-		at := time.Unix(0, r.SettledAt)
-		rec := at.Sub(killedAt)
-		recoveries = append(recoveries, rec)
-		fmt.Fprintf(d.out, "soak        consumer #%d settled its first delivery %.2fs after the last SIGKILL\n", c.n, rec.Seconds())
-		killedAt = time.Time{}
-	}
 	for done := false; !done; {
-		c, err := d.startConsumer(crashPoint{})
-		if err != nil {
+		if done, err = s.killCycle(ctx, rng); err != nil {
 			return err
 		}
-		started := time.Now()
-		killAt := started.Add(soakMinLife + time.Duration(rng.Int64N(int64(soakMaxLife-soakMinLife))))
-		for time.Now().Before(killAt) {
-			if c.exited() {
-				return d.childFailure(c, fmt.Errorf("consumer #%d exited by itself: %s", c.n, c.describeExit()))
-			}
-			sample()
-			recovered(c)
-			rows, err := d.inboxRows(ctx)
-			if err != nil {
-				return d.childFailure(c, err)
-			}
-			if rows == unique {
-				done = true
-				break
-			}
-			if err := sleep(ctx, soakSample); err != nil {
-				return d.childFailure(c, err)
-			}
-		}
-		recovered(c)
-		if !killedAt.IsZero() {
-			unrecoveredKills++ // c settled nothing: the previous kill's recovery goes on
-		}
-		at := time.Now()
-		c.killAndWait()
-		if !c.killedBySIGKILL() {
-			return d.childFailure(c, fmt.Errorf("consumer #%d was not killed by SIGKILL: %s", c.n, c.describeExit()))
-		}
-		if killedAt.IsZero() {
-			killedAt = at
-		}
-		kills++
-		rows, _ := d.inboxRows(ctx)
-		var backlog int64
-		if lag, err := probe.Lag(ctx); err == nil {
-			backlog = lag.Pending
-		}
-		h, _ := d.horizon(ctx)
-		holder := ""
-		if h.oldestXact > time.Second {
-			holder = " (" + h.holder + ")"
-		}
-		fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows (%d visible to the relay), so far at most %d (%d visible; oldest %.1fs); oldest transaction in the cluster %.1fs%s\n",
-			c.n, at.Sub(started).Seconds(), rows, unique, backlog, h.visible, maxBacklog, maxVisible, maxAge.Seconds(), h.oldestXact.Seconds(), holder)
 	}
 	soakTime := time.Since(consumeStart)
 
+	if err := d.soakLastConsumer(ctx, s); err != nil {
+		return err
+	}
+	if err := d.verifySoak(ctx); err != nil {
+		return err
+	}
+	s.printSummary(soakTime, start)
+	return nil
+}
+
+// soakState is what -soak measures while it kills consumers.
+type soakState struct {
+	d     *demo
+	probe *outbox.Relay
+
+	kills, samples, unrecoveredKills int
+	maxBacklog, maxVisible           int64
+	maxAge, maxGap, maxHold          time.Duration
+	maxHolder                        string
+	recoveries                       []time.Duration
+	// killedAt: the earliest SIGKILL no consumer has settled a delivery after yet.
+	killedAt   time.Time
+	lastSample time.Time
+}
+
+// sample reads the relay's backlog and the cluster's horizon once and keeps their maxima.
+func (s *soakState) sample(ctx context.Context) {
+	if lag, err := s.probe.Lag(ctx); err == nil {
+		s.maxBacklog = max(s.maxBacklog, lag.Pending)
+		s.maxAge = max(s.maxAge, lag.OldestAge)
+		s.samples++
+		s.maxGap = max(s.maxGap, time.Since(s.lastSample))
+		s.lastSample = time.Now()
+	}
+	if h, err := s.d.horizon(ctx); err == nil {
+		s.maxVisible = max(s.maxVisible, h.visible)
+		if h.oldestXact > s.maxHold {
+			s.maxHold, s.maxHolder = h.oldestXact, h.holder
+		}
+	}
+}
+
+// recovered reads c's SETTLED line, once, and records the recovery from killedAt.
+func (s *soakState) recovered(c *child) {
+	if s.killedAt.IsZero() {
+		return
+	}
+	r, ok := c.report(lineSettled)
+	if !ok {
+		return
+	}
+	at := time.Unix(0, r.SettledAt)
+	rec := at.Sub(s.killedAt)
+	s.recoveries = append(s.recoveries, rec)
+	fmt.Fprintf(s.d.out, "soak        consumer #%d settled its first delivery %.2fs after the last SIGKILL\n", c.n, rec.Seconds())
+	s.killedAt = time.Time{}
+}
+
+// killCycle starts a consumer, samples every soakSample until a random moment in
+// [soakMinLife, soakMaxLife) or until every unique payment is processed, then SIGKILLs it and
+// prints the state. done reports that every unique payment was processed.
+func (s *soakState) killCycle(ctx context.Context, rng *mrand.Rand) (done bool, err error) {
+	d := s.d
+	unique := int64(len(d.w.ids))
+	c, err := d.startConsumer(crashPoint{})
+	if err != nil {
+		return false, err
+	}
+	started := time.Now()
+	killAt := started.Add(soakMinLife + time.Duration(rng.Int64N(int64(soakMaxLife-soakMinLife))))
+	for time.Now().Before(killAt) {
+		if c.exited() {
+			return false, d.childFailure(c, fmt.Errorf("consumer #%d exited by itself: %s", c.n, c.describeExit()))
+		}
+		s.sample(ctx)
+		s.recovered(c)
+		rows, err := d.inboxRows(ctx)
+		if err != nil {
+			return false, d.childFailure(c, err)
+		}
+		if rows == unique {
+			done = true
+			break
+		}
+		if err := sleep(ctx, soakSample); err != nil {
+			return false, d.childFailure(c, err)
+		}
+	}
+	s.recovered(c)
+	if !s.killedAt.IsZero() {
+		s.unrecoveredKills++ // c settled nothing: the previous kill's recovery goes on
+	}
+	at := time.Now()
+	c.killAndWait()
+	if !c.killedBySIGKILL() {
+		return false, d.childFailure(c, fmt.Errorf("consumer #%d was not killed by SIGKILL: %s", c.n, c.describeExit()))
+	}
+	if s.killedAt.IsZero() {
+		s.killedAt = at
+	}
+	s.kills++
+	s.printKill(ctx, c, at.Sub(started))
+	return done, nil
+}
+
+// printKill prints the state after consumer c was SIGKILLed after living for lived.
+func (s *soakState) printKill(ctx context.Context, c *child, lived time.Duration) {
+	d := s.d
+	rows, _ := d.inboxRows(ctx)
+	var backlog int64
+	if lag, err := s.probe.Lag(ctx); err == nil {
+		backlog = lag.Pending
+	}
+	h, _ := d.horizon(ctx)
+	holder := ""
+	if h.oldestXact > time.Second {
+		holder = " (" + h.holder + ")"
+	}
+	fmt.Fprintf(d.out, "soak        consumer #%d SIGKILLed after %.1fs; inbox rows %d/%d; relay backlog now %d rows (%d visible to the relay), so far at most %d (%d visible; oldest %.1fs); oldest transaction in the cluster %.1fs%s\n",
+		c.n, lived.Seconds(), rows, len(d.w.ids), backlog, h.visible, s.maxBacklog, s.maxVisible, s.maxAge.Seconds(), h.oldestXact.Seconds(), holder)
+}
+
+// soakLastConsumer publishes the poison payments and runs a last consumer to completion; it
+// fails when a consumer reported a data race or the last one's graceful stop logged a line at
+// ERROR level.
+func (d *demo) soakLastConsumer(ctx context.Context, s *soakState) error {
 	if err := d.broker.Publish(d.w.poison); err != nil {
 		return err
 	}
@@ -151,15 +193,13 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 	if err != nil {
 		return err
 	}
-	recovered(c)
+	s.recovered(c)
 	if r, ok := c.report(lineStats); ok {
 		fmt.Fprintf(d.out, "last        consumer #%d stopped with SIGTERM once everything was processed, dead-lettered and relayed (processed %d, duplicates skipped %d, dead-lettered %d)\n",
 			c.n, r.Processed, r.Duplicates, r.DeadLettered)
 	}
-	for _, c := range d.all {
-		if c.stderrContains("WARNING: DATA RACE") {
-			return d.childFailure(c, fmt.Errorf("consumer #%d reported a data race", c.n))
-		}
+	if err := d.checkRaces(); err != nil {
+		return err
 	}
 	// The consumer logs through slog's TextHandler: "level=ERROR".
 	stopLog := c.stopLog()
@@ -168,6 +208,13 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 		return fmt.Errorf("the graceful stop of consumer #%d logged %d lines at ERROR level", c.n, n)
 	}
 	fmt.Fprintf(d.out, "stop        consumer #%d's graceful stop logged no ERROR line (%d WARN)\n", c.n, strings.Count(stopLog, "level=WARN"))
+	return nil
+}
+
+// verifySoak checks the soak's end state like the demo: inbox rows, every balance, the dead
+// letters, every receipt exactly once downstream; it prints one line.
+func (d *demo) verifySoak(ctx context.Context) error {
+	unique := int64(len(d.w.ids))
 	if err := d.verifyInbox(ctx, unique); err != nil {
 		return err
 	}
@@ -187,16 +234,22 @@ func (d *demo) soak(ctx context.Context, start time.Time, rng *mrand.Rand) error
 	}
 	fmt.Fprintf(d.out, "verified    %d unique payments (%d deliveries, %d of them re-sent duplicates), every balance (%d cents), %d dead letters, %d receipts once each; broker %d left (%s)\n",
 		unique, len(d.w.deliveries), d.w.duplicates, total, len(d.w.poisonIDs), unique, pending, d.broker.pendingMeaning)
-	fmt.Fprintf(d.out, "soak        %d SIGKILLs in %.1fs (%.0f unique payments/s while killing); relay backlog never above %d rows (%d samples, at most %.2fs apart), oldest pending receipt %.1fs; %.1fs in total\n",
-		kills, soakTime.Seconds(), float64(unique)/soakTime.Seconds(), maxBacklog, samples, maxGap.Seconds(), maxAge.Seconds(), time.Since(start).Seconds())
-	fmt.Fprintf(d.out, "horizon     of that backlog, at most %d rows were visible to the relay (below the cluster's oldest running transaction); the oldest transaction seen in the cluster was %.1fs old (%s)\n",
-		maxVisible, maxHold.Seconds(), maxHolder)
-	if len(recoveries) > 0 {
-		slices.Sort(recoveries)
-		fmt.Fprintf(d.out, "recovery    SIGKILL to the next consumer's first settled delivery: min %.2fs, median %.2fs, max %.2fs (%d samples; %d consumers killed before settling one)\n",
-			recoveries[0].Seconds(), recoveries[len(recoveries)/2].Seconds(), recoveries[len(recoveries)-1].Seconds(), len(recoveries), unrecoveredKills)
-	}
 	return nil
+}
+
+// printSummary prints the soak's figures: SIGKILLs, the relay's backlog, the horizon and the
+// recoveries. soakTime is the time the consumers were killed over.
+func (s *soakState) printSummary(soakTime time.Duration, start time.Time) {
+	d := s.d
+	fmt.Fprintf(d.out, "soak        %d SIGKILLs in %.1fs (%.0f unique payments/s while killing); relay backlog never above %d rows (%d samples, at most %.2fs apart), oldest pending receipt %.1fs; %.1fs in total\n",
+		s.kills, soakTime.Seconds(), float64(len(d.w.ids))/soakTime.Seconds(), s.maxBacklog, s.samples, s.maxGap.Seconds(), s.maxAge.Seconds(), time.Since(start).Seconds())
+	fmt.Fprintf(d.out, "horizon     of that backlog, at most %d rows were visible to the relay (below the cluster's oldest running transaction); the oldest transaction seen in the cluster was %.1fs old (%s)\n",
+		s.maxVisible, s.maxHold.Seconds(), s.maxHolder)
+	if len(s.recoveries) > 0 {
+		slices.Sort(s.recoveries)
+		fmt.Fprintf(d.out, "recovery    SIGKILL to the next consumer's first settled delivery: min %.2fs, median %.2fs, max %.2fs (%d samples; %d consumers killed before settling one)\n",
+			s.recoveries[0].Seconds(), s.recoveries[len(s.recoveries)/2].Seconds(), s.recoveries[len(s.recoveries)-1].Seconds(), len(s.recoveries), s.unrecoveredKills)
+	}
 }
 
 // horizonSample is what holds the relay back, read by horizon.

@@ -78,16 +78,24 @@ type TableConfig struct {
 // PostgreSQL updates on VACUUM and ANALYZE (autovacuum), never a count(*) of the inbox table;
 // the oldest row's age reads the first entry of the received_at index; the attempt and outbox
 // counts are exact but capped (TableConfig.CountCap), as these tables normally hold only
-// messages in flight. A failed scrape reports watermill_inbox_table_stats_up 0 and nothing
-// else for that table, so the rest of the registry still scrapes.
+// messages in flight. With a retention window configured (pgstore.Config.Retention) it reports
+// the window, and on a partitioned table the lead of its newest partition (read with
+// pgstore.Store.Partitions, through the store's pool), so an alert can compare the oldest row
+// with the window and see the partitions running out. A failed scrape reports
+// watermill_inbox_table_stats_up 0 and nothing else for that table, so the rest of the
+// registry still scrapes.
 type TableCollector struct {
 	q                                     Querier
 	cfg                                   TableConfig
+	store                                 *pgstore.Store
+	window                                time.Duration // the store's retention window; 0 without one
+	partitioned                           bool
 	table, attempts, label                string
 	receivedAt                            string // the store's SQL for a row's received time
 	msgs, offsets, outboxLabel            string
 	up, rows, heap, index, perRow, oldest *prometheus.Desc
 	pending, dead                         *prometheus.Desc
+	retention, lead                       *prometheus.Desc
 	backlog, backlogAge                   *prometheus.Desc
 	extra                                 []*prometheus.Desc
 }
@@ -110,8 +118,11 @@ func NewTableCollector(store *pgstore.Store, cfg TableConfig) (*TableCollector, 
 		cfg.CountCap = DefaultCountCap
 	}
 	sc := store.Config()
-	c := &TableCollector{q: cfg.Querier, cfg: cfg, table: store.Table(), attempts: store.AttemptsTable(), label: sc.Schema + "." + sc.Table,
-		receivedAt: store.ReceivedAtSQL()}
+	c := &TableCollector{q: cfg.Querier, cfg: cfg, store: store, table: store.Table(), attempts: store.AttemptsTable(), label: sc.Schema + "." + sc.Table,
+		receivedAt: store.ReceivedAtSQL(), partitioned: sc.Partitioning != nil}
+	if r, ok := store.Retention(); ok {
+		c.window = r.Window
+	}
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(prometheus.BuildFQName(Namespace, "", name), help, labels, nil)
 	}
@@ -123,6 +134,8 @@ func NewTableCollector(store *pgstore.Store, cfg TableConfig) (*TableCollector, 
 	c.oldest = d("table_oldest_row_age_seconds", "Age of the oldest processed-message row (now - min(received_at)); 0 when empty.", "table")
 	c.pending = d("attempts_pending_rows", "Messages with failed or unsettled attempts that are not dead-lettered (exact, capped at the count cap).", "table")
 	c.dead = d("dead_lettered_rows", "Messages in the dead-lettered state, awaiting replay (exact, capped at the count cap).", "table")
+	c.retention = d("retention_window_seconds", "The store's retention window (pgstore.Config.Retention.Window), in seconds; absent without one.", "table")
+	c.lead = d("partition_lead_seconds", "Seconds from now to the end of the newest partition's range (negative once it has passed); partitioned tables only.", "table")
 	if o := cfg.Outbox; o != nil {
 		topic := o.Topic
 		if topic == "" {
@@ -153,7 +166,7 @@ func NewTableCollector(store *pgstore.Store, cfg TableConfig) (*TableCollector, 
 
 // Describe implements prometheus.Collector.
 func (c *TableCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.up, c.rows, c.heap, c.index, c.perRow, c.oldest, c.pending, c.dead} {
+	for _, d := range []*prometheus.Desc{c.up, c.rows, c.heap, c.index, c.perRow, c.oldest, c.pending, c.dead, c.retention, c.lead} {
 		ch <- d
 	}
 	if c.backlog != nil {
@@ -187,6 +200,12 @@ func (c *TableCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, s.OldestAge.Seconds(), c.label)
 	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, s.AttemptsPending, c.label)
 	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, s.DeadLettered, c.label)
+	if s.RetentionWindow > 0 {
+		ch <- prometheus.MustNewConstMetric(c.retention, prometheus.GaugeValue, s.RetentionWindow.Seconds(), c.label)
+	}
+	if s.Partitioned {
+		ch <- prometheus.MustNewConstMetric(c.lead, prometheus.GaugeValue, s.PartitionLead.Seconds(), c.label)
+	}
 	if c.backlog != nil && s.OutboxBacklog >= 0 {
 		ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, s.OutboxBacklog, c.outboxLabel)
 		ch <- prometheus.MustNewConstMetric(c.backlogAge, prometheus.GaugeValue, s.OutboxOldestAge.Seconds(), c.outboxLabel)
@@ -218,12 +237,19 @@ type TableStats struct {
 	OutboxBacklog float64
 	// OutboxOldestAge is the age of the oldest of them.
 	OutboxOldestAge time.Duration
+	// RetentionWindow is the store's retention window; 0 without one.
+	RetentionWindow time.Duration
+	// Partitioned is true for a partitioned table; PartitionLead is then the time from now
+	// to the end of its newest partition's range (negative once that has passed; 0 when the
+	// table has no partition the store named).
+	Partitioned   bool
+	PartitionLead time.Duration
 }
 
 // Read runs the collector's queries once and returns what a scrape would report (errors are
 // pgx's, wrapped; an error reading the outbox is returned too).
 func (c *TableCollector) Read(ctx context.Context) (TableStats, error) {
-	s := TableStats{OutboxBacklog: -1}
+	s := TableStats{OutboxBacklog: -1, RetentionWindow: c.window, Partitioned: c.partitioned}
 	var oldest float64
 	err := c.q.QueryRow(ctx, `SELECT c.reltuples::float8, pg_relation_size(c.oid)::float8, pg_indexes_size(c.oid)::float8,
 		coalesce(extract(epoch FROM now() - (SELECT min(`+c.receivedAt+`) FROM `+c.table+`)), 0)::float8,
@@ -235,6 +261,11 @@ func (c *TableCollector) Read(ctx context.Context) (TableStats, error) {
 		return s, fmt.Errorf("inboxmetrics: reading %s statistics: %w", c.table, err)
 	}
 	s.OldestAge = time.Duration(max(0, oldest) * float64(time.Second))
+	if c.partitioned {
+		if s.PartitionLead, err = c.partitionLead(ctx); err != nil {
+			return s, err
+		}
+	}
 	if c.msgs == "" {
 		return s, nil
 	}
@@ -256,4 +287,23 @@ func (c *TableCollector) Read(ctx context.Context) (TableStats, error) {
 	}
 	s.OutboxOldestAge = time.Duration(max(0, age) * float64(time.Second))
 	return s, nil
+}
+
+// partitionLead returns the time from now to the end of the newest partition's range the store
+// named (pgstore.Partition.To), 0 when there is none (claims fail now either way).
+func (c *TableCollector) partitionLead(ctx context.Context) (time.Duration, error) {
+	parts, err := c.store.Partitions(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("inboxmetrics: reading the partitions of %s: %w", c.table, err)
+	}
+	var end time.Time
+	for _, p := range parts {
+		if !p.DetachPending && p.To.After(end) {
+			end = p.To
+		}
+	}
+	if end.IsZero() {
+		return 0, nil
+	}
+	return time.Until(end), nil
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // TableStats describes the inbox table and its attempts table, for operators (the CLI's
@@ -96,54 +94,4 @@ func (s *Store) Stats(ctx context.Context) (TableStats, error) {
 		return st, fmt.Errorf("stats: %s: %w", s.attempts, err)
 	}
 	return st, nil
-}
-
-// DeadLetterRecord is one dead-lettered attempt record.
-type DeadLetterRecord struct {
-	// MessageID is the key (the message UUID, or the business key the inbox was keyed by).
-	MessageID    string    `json:"message_id"`
-	ConsumerName string    `json:"consumer_name"`
-	Attempts     int       `json:"attempts"`
-	Reason       string    `json:"reason"`
-	LastError    string    `json:"last_error,omitempty"`
-	DeadLettered time.Time `json:"dead_lettered_at"`
-}
-
-// DeadLetterFilter selects dead-lettered records for DeadLetters.
-type DeadLetterFilter struct {
-	// ConsumerName, when non-empty, selects one consumer.
-	ConsumerName string
-	// Since, when non-zero, selects records dead-lettered at or after it.
-	Since time.Time
-	// Limit bounds the records returned; zero or negative means no limit.
-	Limit int
-}
-
-// DeadLetters lists dead-lettered records, oldest first. Errors are the database's, wrapped.
-func (s *Store) DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLetterRecord, error) {
-	var since any
-	if !f.Since.IsZero() {
-		since = f.Since
-	}
-	var limit any
-	if f.Limit > 0 {
-		limit = f.Limit
-	}
-	rows, err := s.pool.Query(ctx, "SELECT message_id, consumer_name, attempts, coalesce(dead_letter_reason, ''), coalesce(last_error, ''), dead_lettered_at FROM "+s.attempts+
-		" WHERE dead_lettered_at IS NOT NULL AND ($1::text IS NULL OR consumer_name = $1) AND ($2::timestamptz IS NULL OR dead_lettered_at >= $2)"+
-		" ORDER BY dead_lettered_at, consumer_name, message_id LIMIT $3", nullIfEmpty(f.ConsumerName), since, limit)
-	if err != nil {
-		return nil, fmt.Errorf("dead letters: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (DeadLetterRecord, error) {
-		var d DeadLetterRecord
-		var attempts int32
-		err := r.Scan(&d.MessageID, &d.ConsumerName, &attempts, &d.Reason, &d.LastError, &d.DeadLettered)
-		d.Attempts = int(attempts)
-		return d, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("dead letters: %w", err)
-	}
-	return out, nil
 }
