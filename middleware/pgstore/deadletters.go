@@ -2,7 +2,6 @@ package pgstore
 
 import (
 	"context"
-	"embed"
 	"fmt"
 	"strings"
 	"time"
@@ -11,21 +10,10 @@ import (
 )
 
 // The operator's view of dead letters: list them, group them by reason, discard them. Each
-// statement is one file under queries/, with the attempts table's quoted name substituted
-// for {{.Attempts}}.
+// statement is one file under queries/ (queries.go).
 
-//go:embed queries/dead_letters_*.sql
-var deadLetterQueries embed.FS
-
-// deadLetterSQL returns the statement of queries/<name>.sql for s's attempts table (quoted
-// when the store was built, from validated names).
-func (s *Store) deadLetterSQL(name string) string {
-	b, err := deadLetterQueries.ReadFile("queries/" + name + ".sql")
-	if err != nil {
-		panic("pgstore: missing embedded query " + name) // a build defect, caught by every test
-	}
-	return strings.ReplaceAll(string(b), "{{.Attempts}}", s.attempts)
-}
+// deadLetterSQL returns the statement of queries/<name>.sql for s.
+func (s *Store) deadLetterSQL(name string) string { return renderQuery(name, s.names).sql }
 
 // DiscardBatchSize bounds the dead-lettered records DiscardDeadLetters deletes per
 // transaction.

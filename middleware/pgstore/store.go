@@ -113,7 +113,8 @@ type Store struct {
 	// to be in it.
 	consumers  string
 	registered sync.Map
-	q          queries  // queries/*.sql, rendered for this store
+	names      queryNames // what the queries/*.sql templates see
+	q          queries    // queries/*.sql, rendered for this store
 	counter    *counter // the group commit of counts (count.go)
 }
 
@@ -169,8 +170,9 @@ func newNames(cfg Config) (*Store, error) {
 		attempts:  pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize(),
 		consumers: pgx.Identifier{cfg.Schema, cfg.Table + "_consumers"}.Sanitize(),
 	}
-	s.q = newQueries(queryNames{Table: s.table, Attempts: s.attempts, Consumers: s.consumers,
-		Compact: cfg.Layout == LayoutCompact, Partitioned: cfg.Partitioning != nil})
+	s.names = queryNames{Table: s.table, Attempts: s.attempts, Consumers: s.consumers,
+		Compact: cfg.Layout == LayoutCompact, Partitioned: cfg.Partitioning != nil}
+	s.q = newQueries(s.names)
 	return s, nil
 }
 
