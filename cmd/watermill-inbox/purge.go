@@ -172,7 +172,9 @@ func (pf *purgeFlags) check() error {
 
 // run purges with progress lines on standard error and prints the report on standard output
 // (also after an error, when the purge got as far as reading the clock).
-func (pf *purgeFlags) run(cmd *cobra.Command, store interface{ Retention() (inbox.Retention, bool) }, purge func(context.Context, pgstore.PurgeExpiredParams) (pgstore.PurgeReport, error)) error {
+func (pf *purgeFlags) run(cmd *cobra.Command, store interface {
+	Retention() (inbox.Retention, bool)
+}, purge func(context.Context, pgstore.PurgeExpiredParams) (pgstore.PurgeReport, error)) error {
 	pf.p.Progress = progressPrinter(cmd.ErrOrStderr(), pf.p.DryRun)
 	rep, err := purge(cmd.Context(), pf.p)
 	if !rep.Now.IsZero() {
@@ -200,7 +202,9 @@ func progressPrinter(w io.Writer, dry bool) func(pgstore.PurgeProgress) {
 
 // printReport prints a purge's report. A report without a dead-letter cutoff (the
 // store-then-process table's: dead rows are not purged by age) prints no dead-letter window.
-func printReport(w io.Writer, store interface{ Retention() (inbox.Retention, bool) }, rep pgstore.PurgeReport) {
+func printReport(w io.Writer, store interface {
+	Retention() (inbox.Retention, bool)
+}, rep pgstore.PurgeReport) {
 	ret, _ := store.Retention()
 	verb := "deleted"
 	if rep.DryRun {

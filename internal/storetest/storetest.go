@@ -395,7 +395,7 @@ func testUnsettledAttemptsRunAlone(t *testing.T, s contract.Store) {
 	if c.Attempts != 1 {
 		t.Fatalf("RunAlone: %+v, want 1 earlier attempt", c)
 	}
-	hasRecord(t, s, "m1", 1) // taken back
+	hasRecord(t, s, "m1", 1)                               // taken back
 	tx, c = claim(t, s, counted("m1", true), contract.Run) // RunAlone counted nothing
 	if c.Attempts != 1 {
 		t.Fatalf("claim alone: %+v, want 1 earlier attempt", c)

@@ -15,9 +15,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 var batchModes = []inbox.BatchMode{inbox.BatchOptimistic, inbox.BatchSavepoints}
@@ -438,10 +438,10 @@ func TestBatchedOnMemStore(t *testing.T) {
 // TestBatchConfigValidated: Batch settings are checked by New.
 func TestBatchConfigValidated(t *testing.T) {
 	for name, cfg := range map[string]inbox.Config{
-		"negative size":     {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: -1}},
-		"negative linger":   {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4, Linger: -time.Millisecond}},
-		"too big":           {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: inbox.MaxBatchSize + 1}},
-		"unknown mode":      {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4, Mode: 7}},
+		"negative size":   {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: -1}},
+		"negative linger": {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4, Linger: -time.Millisecond}},
+		"too big":         {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: inbox.MaxBatchSize + 1}},
+		"unknown mode":    {Store: storetest.NewMemStore(), ConsumerName: "c", Batch: inbox.BatchConfig{Size: 4, Mode: 7}},
 	} {
 		if _, err := inbox.New(cfg, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
 			t.Errorf("%s: New = %v, want ErrInvalidConfig", name, err)

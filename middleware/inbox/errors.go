@@ -37,7 +37,6 @@ var ErrKeyCollision = errors.New("inbox: key collision: the key was already proc
 // handler under that setup. Remove InstantAck. It is permanent (see IsPermanent).
 var ErrAckedBeforeHandler = errors.New("inbox: message was acked before the inbox ran (InstantAck?); ack must follow the commit")
 
-
 // ErrInvalidConfig wraps every configuration error returned by New and by store constructors.
 var ErrInvalidConfig = errors.New("inbox: invalid configuration")
 

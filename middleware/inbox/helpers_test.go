@@ -1,10 +1,10 @@
 package inbox_test
 
 import (
-	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"sync"
 	"sync/atomic"
 	"testing"

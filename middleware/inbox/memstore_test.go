@@ -17,8 +17,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 type recorder struct {

@@ -1,10 +1,10 @@
 package inbox_test
 
 import (
-	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"context"
 	"database/sql"
 	"errors"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"strings"
 	"sync"
 	"testing"

@@ -10,8 +10,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 type phaseKey struct{}

@@ -121,7 +121,6 @@ func TestCanonicalRetryResetContextReadsTheRecord(t *testing.T) {
 	e.settled(dl, 2, 5)
 }
 
-
 // TestResentDeadLetteredKeyIsSkippedWhateverTheWrapping: a copy of a dead-lettered message the
 // producer sent again, as a first delivery, is skipped and acked without running the handler,
 // whether the inbox runs alone, under Watermill's Retry (with and without ResetContextOnRetry)

@@ -8,9 +8,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // TestDistinctKeysCreateNoSeries delivers 10,000 messages with distinct keys (each processed,

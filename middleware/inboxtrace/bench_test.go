@@ -10,10 +10,10 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxtrace"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // BenchmarkObservabilityOverhead measures what the hooks cost per delivery on the in-memory

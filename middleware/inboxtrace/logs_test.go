@@ -13,10 +13,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxtrace"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 type syncBuffer struct {

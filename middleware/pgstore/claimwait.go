@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-
 )
 
 // errKeyHeld is claimOnce's error when the key's advisory lock was held by a delivery in

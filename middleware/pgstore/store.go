@@ -115,7 +115,7 @@ type Store struct {
 	registered sync.Map
 	names      queryNames // what the queries/*.sql templates see
 	q          queries    // queries/*.sql, rendered for this store
-	counter    *counter // the group commit of counts (count.go)
+	counter    *counter   // the group commit of counts (count.go)
 }
 
 var _ contract.Store = (*Store)(nil)
