@@ -41,11 +41,17 @@ func (c Config) SequenceName() string {
 //   - SELECT, INSERT, UPDATE on the offsets table (the relay's consumer-group row: INSERT ...
 //     ON CONFLICT, SELECT ... FOR UPDATE, the ack's upsert).
 //
-// An invalid topic, schema or role gives an error wrapping inbox.ErrInvalidConfig.
+// An invalid topic, schema or role (pgstore.ValidateGrantObject, pgstore.ValidateRole) gives
+// an error wrapping inbox.ErrInvalidConfig.
 func GrantSQL(cfg Config, role string) (string, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return "", err
+	}
+	if cfg.Schema != "" {
+		if err := pgstore.ValidateGrantObject("schema name", cfg.Schema); err != nil {
+			return "", err
+		}
 	}
 	if err := pgstore.ValidateRole(role); err != nil {
 		return "", err
