@@ -34,7 +34,9 @@ func (c Config) SequenceName() string {
 // one statement a line, for the schema's owner to run after InitializeSchema:
 //
 //   - USAGE on cfg.Schema, when set;
-//   - SELECT, INSERT on the messages table (the INSERT of Outbox.Store; the relay's polls);
+//   - SELECT, INSERT, DELETE on the messages table (the INSERT of Outbox.Store; the relay's
+//     polls; the purge of relayed rows, pgstore.PurgeExpired with the topic in Topics, as
+//     retention.Purger and `watermill-inbox purge --topic` run it);
 //   - USAGE on the messages table's sequence (SequenceName): the BIGSERIAL "offset" column
 //     calls nextval, and without it every write fails with SQLSTATE 42501 ("permission
 //     denied for sequence");
@@ -62,7 +64,7 @@ func GrantSQL(cfg Config, role string) (string, error) {
 	if cfg.Schema != "" {
 		fmt.Fprintf(&b, "GRANT USAGE ON SCHEMA %s TO %s;\n", pgx.Identifier{cfg.Schema}.Sanitize(), r)
 	}
-	fmt.Fprintf(&b, "GRANT SELECT, INSERT ON %s TO %s;\n", cfg.MessagesTable(), r)
+	fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE ON %s TO %s;\n", cfg.MessagesTable(), r)
 	fmt.Fprintf(&b, "GRANT USAGE ON SEQUENCE %s TO %s;\n", cfg.SequenceName(), r)
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE ON %s TO %s;\n", cfg.OffsetsTable(), r)
 	return b.String(), nil

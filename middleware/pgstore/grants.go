@@ -112,6 +112,11 @@ func ValidateGrantObject(what, name string) error {
 //   - in the compact layout (cfg.Layout), SELECT, INSERT on the consumers table: a consumer
 //     name is registered by its first claim.
 //
+// A partitioned table (cfg.Partitioning) needs nothing more for claims and purges: access
+// goes through the parent table, whose privileges cover its partitions. Its maintenance
+// (EnsurePartitions, DropPartitions, PartitionManager) needs the table's owner, which no
+// grant gives (ErrPartitionOwner); the script says so in a comment.
+//
 // Advisory locks, set_config and the cancel request need no privilege. The handler's own
 // tables need their own grants; the outbox's are outbox.GrantSQL. An invalid schema, table
 // or role (ValidateIdentifier, ValidateGrantObject, ValidateRole) gives an error wrapping
@@ -137,6 +142,10 @@ func GrantSQL(cfg Config, role string) (string, error) {
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE ON %s TO %s;\n", s.table, r)
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;\n", s.attempts, r)
 	fmt.Fprintf(&b, "GRANT SELECT ON %s TO %s;\n", s.versions, r)
+	if s.cfg.Partitioning != nil {
+		// Reads and writes go through the parent, whose grants cover its partitions.
+		b.WriteString("-- partition maintenance (partitions ensure/drop, PartitionManager) needs the table's owner: no grant allows it\n")
+	}
 	if s.cfg.Layout == LayoutCompact {
 		// A consumer name is registered by the first claim that uses it (its identity
 		// column's sequence needs no grant of its own).

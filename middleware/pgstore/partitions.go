@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -167,7 +168,7 @@ func (s *Store) EnsurePartitions(ctx context.Context, from, to time.Time) (creat
 				return err
 			})
 			if err != nil {
-				return fmt.Errorf("pgstore: partitions: create %s: %w", name, err)
+				return ownerError(fmt.Errorf("pgstore: partitions: create %s: %w", name, err))
 			}
 			created = append(created, name)
 		}
@@ -206,7 +207,7 @@ func (s *Store) DropPartitions(ctx context.Context, olderThan time.Time) (droppe
 			// The dead-lettered records of keys the partition holds as processed are moot:
 			// delete them before the rows go (mootDeadLettersSQL).
 			if _, err := conn.Exec(ctx, "WITH "+s.mootDeadLettersSQL(name)+" SELECT 1"); err != nil {
-				return fmt.Errorf("pgstore: partitions: moot dead letters of %s: %w", p.Name, err)
+				return ownerError(fmt.Errorf("pgstore: partitions: moot dead letters of %s: %w", p.Name, err))
 			}
 			detach := "ALTER TABLE " + s.table + " DETACH PARTITION " + name
 			switch {
@@ -216,10 +217,10 @@ func (s *Store) DropPartitions(ctx context.Context, olderThan time.Time) (droppe
 				detach += " CONCURRENTLY" // outside a transaction block: Exec sends it alone
 			}
 			if _, err := conn.Exec(ctx, detach); err != nil {
-				return fmt.Errorf("pgstore: partitions: detach %s: %w", p.Name, err)
+				return ownerError(fmt.Errorf("pgstore: partitions: detach %s: %w", p.Name, err))
 			}
 			if _, err := conn.Exec(ctx, "DROP TABLE "+name); err != nil {
-				return fmt.Errorf("pgstore: partitions: drop %s (detached): %w", p.Name, err)
+				return ownerError(fmt.Errorf("pgstore: partitions: drop %s (detached): %w", p.Name, err))
 			}
 			dropped = append(dropped, p.Name)
 		}
@@ -362,4 +363,22 @@ func (m *PartitionManager) Close() error {
 	}
 	<-m.done
 	return nil
+}
+
+// ErrPartitionOwner is returned, wrapping PostgreSQL's error (SQLSTATE 42501,
+// insufficient_privilege), by EnsurePartitions, DropPartitions and PartitionManager rounds
+// run by a role that does not own the inbox table: creating, attaching, detaching and
+// dropping a partition need the parent table's owner (PostgreSQL's ALTER TABLE ... ATTACH
+// PARTITION and DROP TABLE), which no GRANT gives. Run `watermill-inbox partitions ensure`
+// and `partitions drop` as the owner (from cron), or a PartitionManager on a pool connected
+// as the owner; see docs/retention.md.
+var ErrPartitionOwner = errors.New("pgstore: partition maintenance needs the table's owner")
+
+// ownerError wraps err with ErrPartitionOwner when it is SQLSTATE 42501.
+func ownerError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		return fmt.Errorf("%w (run `watermill-inbox partitions ensure` and `partitions drop` as the owner): %w", ErrPartitionOwner, err)
+	}
+	return err
 }
