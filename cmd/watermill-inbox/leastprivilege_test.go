@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -17,7 +18,7 @@ import (
 // each changes the rows it should: migrate and deferred migrate with nothing pending, stats,
 // dead list, dead replay (the dead letter is gone), purge with the outbox topic (the expired
 // processed rows, attempt records, dead letters and consumed outbox rows are gone), layout
-// show, deferred stats, replay and purge. Partition maintenance is the owner's (no grant lets
+// show, deferred stats, replay and purge, and the table gauges (inboxmetrics.TableCollector). Partition maintenance is the owner's (no grant lets
 // another role create or attach a partition): as the application role `partitions ensure`
 // and `partitions drop`, and EnsurePartitions, DropPartitions and the PartitionManager, fail
 // with ErrPartitionOwner saying so, create nothing and drop nothing; as the owner they run.
@@ -102,6 +103,19 @@ func TestApplicationRoleRunsWhatTheDocsGiveIt(t *testing.T) {
 				t.Errorf("purge as the application role left %d expired rows", n)
 			}
 
+			// The table gauges (inboxmetrics.TableCollector), which docs/observability.md has
+			// the application scrape, read as the application role, outbox backlog included.
+			appStore, err := pgstore.New(testenv.NewPool(t, roleURL, 2), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tables, err := inboxmetrics.NewTableCollector(appStore, inboxmetrics.TableConfig{Outbox: &inboxmetrics.OutboxTables{Schema: sch.Name, ConsumerGroup: "relay"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st, err := tables.Read(ctx); err != nil || st.OutboxBacklog != 0 {
+				t.Errorf("the table collector as the application role: %+v, %v", st, err)
+			}
 			if tc.part == nil {
 				return
 			}
@@ -121,10 +135,6 @@ func TestApplicationRoleRunsWhatTheDocsGiveIt(t *testing.T) {
 				if exitCode(err) != exitError || !strings.Contains(out, "the table's owner") {
 					t.Errorf("%v as the application role: exit %d, %v; want exit 1 naming the table's owner\n%s", args, exitCode(err), err, out)
 				}
-			}
-			appStore, err := pgstore.New(testenv.NewPool(t, roleURL, 2), cfg)
-			if err != nil {
-				t.Fatal(err)
 			}
 			now := time.Now()
 			if _, err := appStore.EnsurePartitions(ctx, now, now.Add(240*time.Hour)); !errors.Is(err, pgstore.ErrPartitionOwner) {
