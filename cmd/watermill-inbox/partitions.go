@@ -26,7 +26,8 @@ func partitionsCmd() *cobra.Command {
 		Short: "List, create ahead, or drop the partitions of a partitioned inbox table",
 		Long: "Works on an inbox table in partitioned mode (range partitions on the producer time,\n" +
 			"named <table>_pYYYYMMDD or <table>_pYYYYMMDDHH). Maintenance takes an advisory lock, so it\n" +
-			"is safe beside a running PartitionManager. See docs/retention.md.",
+			"is safe beside a running PartitionManager. ensure and drop need the table's owner (run\n" +
+			"them from cron with the owner's URL); list only reads. See docs/retention.md.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return usageError{errors.New("name a subcommand: list, ensure or drop")}
