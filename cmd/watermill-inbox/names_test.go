@@ -72,6 +72,22 @@ func TestGrantsRefuseNamesPostgresReadsOtherwise(t *testing.T) {
 			}
 		})
 	}
+	// Every command checks its --schema, --table and --deferred-table before connecting
+	// (pg_temp would put the tables in the connection's temporary schema).
+	for _, args := range [][]string{
+		{"migrate", "--schema", "pg_temp"},
+		{"migrate", "--print", "--schema", "pg_temp"},
+		{"migrate", "--schema", sch.Name, "--table", "pg_inbox"},
+		{"stats", "--schema", "information_schema"},
+		{"partitions", "list", "--schema", "pg_catalog"},
+		{"deferred", "migrate", "--schema", "pg_temp"},
+		{"deferred", "stats", "--consumer", "billing", "--schema", sch.Name, "--table", "pg_deferred"},
+	} {
+		out, err := run(t, append(args, "--database-url", testenv.DatabaseURL())...)
+		if exitCode(err) != exitUsage || !strings.Contains(out, "invalid configuration") || strings.Contains(out, "CREATE") {
+			t.Errorf("%q: exit %d, %v, want exit 2 before anything runs:\n%s", args, exitCode(err), err, out)
+		}
+	}
 	// Names that read as themselves still work.
 	for _, role := range []string{"billing-app", "app_1", "публика"} {
 		if out, err := run(t, "grants", "--role", role, "--schema", sch.Name, "--outbox", "--deferred"); err != nil || !strings.Contains(out, pgx.Identifier{role}.Sanitize()) {

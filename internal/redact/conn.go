@@ -22,9 +22,10 @@ var SecretEnv = []string{"PGPASSWORD", "PGSSLPASSWORD"}
 const hidden = "(connection string hidden)"
 
 // secretKV matches a SecretKeys parameter in keyword/value or query form: the key, optional
-// white space around '=', and a quoted ('...', with backslash escapes) or bare value (up to
-// white space or '&').
-var secretKV = regexp.MustCompile(`(?i)\b((?:ssl)?password)\s*=\s*(?:'(?:[^'\\]|\\.)*'?|[^\s&'][^\s&]*)?`)
+// white space around '=', and a quoted ('...', with backslash escapes) or bare value, up to
+// white space (a DSN's bare value may hold '&'; in a URL's query this masks the parameters
+// after it too, which hides more than needed and never less).
+var secretKV = regexp.MustCompile(`(?i)\b((?:ssl)?password)\s*=\s*(?:'(?:[^'\\]|\\.)*'?|[^\s'][^\s]*)?`)
 
 // userinfo matches the password of a URL's userinfo in text: "scheme://user:secret@".
 var userinfo = regexp.MustCompile(`(?i)\b([a-z][a-z0-9+.-]*://[^:/?#@\s]*):[^@\s]*@`)

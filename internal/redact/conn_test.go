@@ -31,6 +31,7 @@ var connForms = []struct{ raw, secret string }{
 	{`host=127.0.0.1 password='it\'s S3cr3t'`, "it's S3cr3t"},
 	{"host=127.0.0.1 password = S3cr3t dbname=test", "S3cr3t"},
 	{"host=127.0.0.1 PassWord=S3cr3t", "S3cr3t"},
+	{"host=127.0.0.1 password=S3cr3t&more user=app", "S3cr3t&more"},
 	{"host=127.0.0.1 sslkey=/etc/app/key.pem sslpassword=S3cr3t sslmode=nonsense", "S3cr3t"},
 }
 

@@ -21,13 +21,13 @@ type NameError struct {
 }
 
 func (e *NameError) Error() string {
-	return fmt.Sprintf("%s: %s %s: %s", inbox.ErrInvalidConfig, e.What, redactQuote(e.Name), e.Reason)
+	return fmt.Sprintf("%s: %s %s: %s", inbox.ErrInvalidConfig, e.What, quoteName(e.Name), e.Reason)
 }
 
 func (e *NameError) Unwrap() error { return inbox.ErrInvalidConfig }
 
-// redactQuote quotes a name for an error (Go escapes, so no control character reaches a log).
-func redactQuote(s string) string { return fmt.Sprintf("%q", s) }
+// quoteName quotes a name for an error (Go escapes, so no control character reaches a log).
+func quoteName(s string) string { return fmt.Sprintf("%q", s) }
 
 // reservedRoles are the names a GRANT's role position reads as something else (PostgreSQL's
 // RoleSpec in gram.y): "public" is PUBLIC, every role of the cluster, even quoted; "none" is
@@ -74,7 +74,7 @@ func ValidateRole(role string) error {
 	case strings.HasPrefix(lower, "pg_"):
 		return &NameError{What: "role name", Name: role, Reason: "names starting with pg_ are PostgreSQL's predefined roles"}
 	case lower != role:
-		return &NameError{What: "role name", Name: role, Reason: "unquoted, it folds to " + redactQuote(lower) + ": give the name as stored"}
+		return &NameError{What: "role name", Name: role, Reason: "unquoted, it folds to " + quoteName(lower) + ": give the name as stored"}
 	case strings.IndexFunc(role, func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsGraphic(r) }) >= 0:
 		return &NameError{What: "role name", Name: role, Reason: "white space or an invisible character"}
 	}
