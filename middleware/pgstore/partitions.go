@@ -168,13 +168,13 @@ func (s *Store) EnsurePartitions(ctx context.Context, from, to time.Time) (creat
 				return err
 			})
 			if err != nil {
-				return ownerError(fmt.Errorf("pgstore: partitions: create %s: %w", name, err))
+				return fmt.Errorf("pgstore: partitions: create %s: %w", name, err)
 			}
 			created = append(created, name)
 		}
 		return nil
 	})
-	return created, err
+	return created, ownerError(err)
 }
 
 // DropPartitions detaches and drops every partition whose whole range ends at or before
@@ -207,7 +207,7 @@ func (s *Store) DropPartitions(ctx context.Context, olderThan time.Time) (droppe
 			// The dead-lettered records of keys the partition holds as processed are moot:
 			// delete them before the rows go (mootDeadLettersSQL).
 			if _, err := conn.Exec(ctx, "WITH "+s.mootDeadLettersSQL(name)+" SELECT 1"); err != nil {
-				return ownerError(fmt.Errorf("pgstore: partitions: moot dead letters of %s: %w", p.Name, err))
+				return fmt.Errorf("pgstore: partitions: moot dead letters of %s: %w", p.Name, err)
 			}
 			detach := "ALTER TABLE " + s.table + " DETACH PARTITION " + name
 			switch {
@@ -217,16 +217,16 @@ func (s *Store) DropPartitions(ctx context.Context, olderThan time.Time) (droppe
 				detach += " CONCURRENTLY" // outside a transaction block: Exec sends it alone
 			}
 			if _, err := conn.Exec(ctx, detach); err != nil {
-				return ownerError(fmt.Errorf("pgstore: partitions: detach %s: %w", p.Name, err))
+				return fmt.Errorf("pgstore: partitions: detach %s: %w", p.Name, err)
 			}
 			if _, err := conn.Exec(ctx, "DROP TABLE "+name); err != nil {
-				return ownerError(fmt.Errorf("pgstore: partitions: drop %s (detached): %w", p.Name, err))
+				return fmt.Errorf("pgstore: partitions: drop %s (detached): %w", p.Name, err)
 			}
 			dropped = append(dropped, p.Name)
 		}
 		return nil
 	})
-	return dropped, err
+	return dropped, ownerError(err)
 }
 
 // PartitionManagerConfig configures a PartitionManager.
