@@ -17,7 +17,6 @@ package router
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -130,8 +129,15 @@ const (
 // INBOX_REDIS_URL is the URL of "amqp", "nats" or "redis", and without those DefaultAMQPURL,
 // DefaultNATSURL or DefaultRedisURL. Errors wrap inbox.ErrInvalidConfig and name the
 // environment variable. INBOX_CONSUMER_GROUP, the router-wide consumer group of earlier
-// versions, is refused: every consumer name is now a consumer group of its own.
+// versions, is refused: every consumer name is now a consumer group of its own. So is an
+// environment that could be read two ways: one of these variables set twice, a variable whose
+// name differs from one of them only in case (inbox_broker), or an unknown variable in the
+// router's name spaces (INBOX_BROKER*, INBOX_BATCH_*, INBOX_CONSUMER_GROUP*, INBOX_MODE*,
+// INBOX_SQS_QUERY*).
 func ConfigFromEnv() (Config, error) {
+	if err := checkEnv(os.Environ()); err != nil {
+		return Config{}, err
+	}
 	if v := os.Getenv("INBOX_CONSUMER_GROUP"); v != "" {
 		return Config{}, fmt.Errorf("%w: router: INBOX_CONSUMER_GROUP=%q is no longer read: each consumer name is its own consumer group; use INBOX_CONSUMER_GROUP_PREFIX to namespace them", inbox.ErrInvalidConfig, v)
 	}
@@ -165,16 +171,16 @@ func ConfigFromEnv() (Config, error) {
 // LoadConfig reads a JSON file with the fields of Config, e.g.
 // {"broker": "amqp", "url": "amqp://guest:guest@127.0.0.1:5672/"}. A missing "url" of amqp,
 // nats or redis is the local default (DefaultAMQPURL...). Errors wrap inbox.ErrInvalidConfig
-// and name the JSON field and the file.
+// and name the JSON field and the file. A file that could be read two ways is refused: a field
+// given twice, a field whose name differs from one of Config's only in case, an unknown field,
+// anything after the object.
 func LoadConfig(path string) (Config, error) {
 	raw, err := os.ReadFile(path)
 	if err != nil {
 		return Config{}, fmt.Errorf("router: %w", err)
 	}
 	var cfg Config
-	dec := json.NewDecoder(strings.NewReader(string(raw)))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&cfg); err != nil {
+	if err := decodeStrictJSON(raw, &cfg); err != nil {
 		hint := ""
 		if strings.Contains(err.Error(), `"consumer_group"`) {
 			hint = ` ("consumer_group" was replaced by "consumer_group_prefix": each consumer name is its own consumer group)`

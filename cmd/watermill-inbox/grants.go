@@ -43,6 +43,15 @@ func grantsCmd() *cobra.Command {
 				return err
 			}
 			if withDeferred {
+				// deferred.GrantSQL checks the role (pgstore.ValidateRole); the reserved
+				// schema and table names are checked here.
+				dt := deferredTable
+				if dt == "" {
+					dt = deferred.DefaultTable
+				}
+				if err := pgstore.ValidateGrantObject("table name", dt); err != nil {
+					return err
+				}
 				d, err := deferred.GrantSQL(deferred.Config{Schema: schema, Table: deferredTable}, role)
 				if err != nil {
 					return err

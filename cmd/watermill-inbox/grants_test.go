@@ -19,7 +19,7 @@ func TestGrantsPrintsTheApplicationRolesGrants(t *testing.T) {
 		`GRANT SELECT, INSERT, DELETE ON "billing"."inbox_processed_messages" TO "billing-app";`,
 		`GRANT SELECT, INSERT, UPDATE, DELETE ON "billing"."inbox_processed_messages_attempts" TO "billing-app";`,
 		`GRANT SELECT ON "billing"."watermill_inbox_migrations" TO "billing-app";`,
-		`GRANT SELECT, INSERT ON "billing"."watermill_receipts" TO "billing-app";`,
+		`GRANT SELECT, INSERT, DELETE ON "billing"."watermill_receipts" TO "billing-app";`,
 		`GRANT USAGE ON SEQUENCE "billing"."watermill_receipts_offset_seq" TO "billing-app";`,
 		`GRANT SELECT, INSERT, UPDATE ON "billing"."watermill_offsets_receipts" TO "billing-app";`,
 	} {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -70,18 +71,18 @@ func (f *storeFlags) openPool(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	pcfg, err := pgxpool.ParseConfig(raw)
 	if err != nil {
-		return nil, usageError{fmt.Errorf("database URL %s: not a valid PostgreSQL URL", redactURL(raw))}
+		return nil, usageError{fmt.Errorf("database URL %s: not a valid PostgreSQL URL", redact.ConnString(raw))}
 	}
 	pcfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to %s: %w", redactURL(raw), err)
+		return nil, fmt.Errorf("connect to %s: %w", redact.ConnString(raw), err)
 	}
 	pctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("connect to %s: %w", redactURL(raw), err)
+		return nil, fmt.Errorf("connect to %s: %w", redact.ConnString(raw), err)
 	}
 	return pool, nil
 }

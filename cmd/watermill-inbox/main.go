@@ -43,6 +43,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -99,7 +100,7 @@ func rootCmd() *cobra.Command {
 	root.AddCommand(statsCmd())
 	root.AddCommand(deadCmd())
 	root.AddCommand(grantsCmd())
-	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	guard(root)
 	return root
 }
 
@@ -165,7 +166,7 @@ func migrateCmd() *cobra.Command {
 			case errors.Is(err, pgstore.ErrNoTable):
 				cfg = pgstore.Config{Schema: f.schema, Table: f.table, Layout: newLayout}
 			case err != nil:
-				return fmt.Errorf("connect to %s: %w", redactURL(url), err)
+				return fmt.Errorf("connect to %s: %w", redact.ConnString(url), err)
 			case layoutSet && cfg.Layout != newLayout:
 				how := "convert it with `watermill-inbox layout convert --to compact`"
 				if cfg.Layout != pgstore.LayoutText {

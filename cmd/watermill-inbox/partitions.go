@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -13,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -26,7 +26,8 @@ func partitionsCmd() *cobra.Command {
 		Short: "List, create ahead, or drop the partitions of a partitioned inbox table",
 		Long: "Works on an inbox table in partitioned mode (range partitions on the producer time,\n" +
 			"named <table>_pYYYYMMDD or <table>_pYYYYMMDDHH). Maintenance takes an advisory lock, so it\n" +
-			"is safe beside a running PartitionManager. See docs/retention.md.",
+			"is safe beside a running PartitionManager. ensure and drop need the table's owner (run\n" +
+			"them from cron with the owner's URL); list only reads. See docs/retention.md.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return usageError{errors.New("name a subcommand: list, ensure or drop")}
@@ -71,12 +72,12 @@ func (f *partitionFlags) open(ctx context.Context) (*pgstore.Store, *pgxpool.Poo
 	}
 	pcfg, err := pgxpool.ParseConfig(raw)
 	if err != nil {
-		return nil, nil, usageError{fmt.Errorf("database URL %s: not a valid PostgreSQL URL", redactURL(raw))}
+		return nil, nil, usageError{fmt.Errorf("database URL %s: not a valid PostgreSQL URL", redact.ConnString(raw))}
 	}
 	pcfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
-		return nil, nil, fmt.Errorf("connect to %s: %w", redactURL(raw), err)
+		return nil, nil, fmt.Errorf("connect to %s: %w", redact.ConnString(raw), err)
 	}
 	// The layout (text or compact) decides how DropPartitions matches a partition's keys to
 	// their dead-lettered attempt records; a table that is missing is reported below.
@@ -91,7 +92,7 @@ func (f *partitionFlags) open(ctx context.Context) (*pgstore.Store, *pgxpool.Poo
 	var kind *string
 	if err := pool.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", s.Table()).Scan(&kind); err != nil {
 		pool.Close()
-		return nil, nil, fmt.Errorf("connect to %s: look up %s: %w", redactURL(raw), s.Table(), err)
+		return nil, nil, fmt.Errorf("connect to %s: look up %s: %w", redact.ConnString(raw), s.Table(), err)
 	}
 	switch {
 	case kind == nil:
@@ -102,24 +103,6 @@ func (f *partitionFlags) open(ctx context.Context) (*pgstore.Store, *pgxpool.Poo
 		return nil, nil, fmt.Errorf("table %s is not partitioned (convert it with pgstore.LayoutMigrationSQL; see docs/retention.md)", s.Table())
 	}
 	return s, pool, nil
-}
-
-// redactURL returns raw with any password replaced by "xxxxx", or a placeholder when raw is
-// not a URL (a key=value DSN may hold a password too).
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil || u.Scheme == "" {
-		return "(the given connection string)"
-	}
-	if _, ok := u.User.Password(); ok {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
-	}
-	q := u.Query()
-	if q.Has("password") {
-		q.Set("password", "xxxxx")
-		u.RawQuery = q.Encode()
-	}
-	return u.String()
 }
 
 // parseAge reads a duration: Go's syntax (36h, 90m) or whole days ("14d").

@@ -168,6 +168,10 @@ func consume(ctx context.Context, o options) error {
 		return err
 	}
 	demoRegistry = metrics
+	observer, err := metrics.m.NewObserver(consumerName)
+	if err != nil {
+		return err
+	}
 	// r.NewInbox fills in the broker's redelivery signal and broker-side fields.
 	billing, err := r.NewInbox(inbox.Config{
 		Store:        store,
@@ -179,7 +183,7 @@ func consume(ctx context.Context, o options) error {
 		MaxAttempts:         o.maxAttempts,
 		// The receipts the handler returns are written in the inbox transaction.
 		Outbox:   ob,
-		Observer: metrics.m.Observer(consumerName),
+		Observer: observer,
 	}, logger)
 	if err != nil {
 		return err

@@ -23,7 +23,11 @@ func TestDistinctKeysCreateNoSeries(t *testing.T) {
 		t.Fatal(err)
 	}
 	store := storetest.NewMemStore()
-	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "c", Observer: m.Observer("c")}, nil)
+	obs, err := m.NewObserver("c")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "c", Observer: obs}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
@@ -28,6 +29,15 @@ type Options struct {
 	// ConstLabels are added to every metric (e.g. {"service": "billing"}). They must be
 	// bounded, like every label.
 	ConstLabels prometheus.Labels
+	// MaxConsumers bounds the consumer names with series of their own: the first
+	// MaxConsumers names given to Observer keep their name as the consumer label, every
+	// later one is counted under Other (folded, not refused: metrics never stop a consumer,
+	// and sums over consumers stay exact). Default: DefaultMaxConsumers.
+	MaxConsumers int
+	// MaxTopics bounds the topic label the same way (the subscribed topics of the
+	// deliveries and the relay's destination topics, each counted apart). Default:
+	// DefaultMaxTopics.
+	MaxTopics int
 }
 
 // Metrics holds the inbox's and the outbox relay's counters and histograms. Create it once
@@ -46,6 +56,9 @@ type Metrics struct {
 	relayed     *prometheus.CounterVec
 	relayLag    *prometheus.HistogramVec
 	relayErrors *prometheus.CounterVec
+
+	consumers, topics, relayTopics *bounded
+	bound                          *prometheus.GaugeVec
 }
 
 // New creates the metrics and registers them with reg (required: pass
@@ -55,6 +68,12 @@ type Metrics struct {
 func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 	if reg == nil {
 		return nil, errors.New("inboxmetrics: nil Registerer")
+	}
+	if opts.MaxConsumers <= 0 {
+		opts.MaxConsumers = DefaultMaxConsumers
+	}
+	if opts.MaxTopics <= 0 {
+		opts.MaxTopics = DefaultMaxTopics
 	}
 	buckets := opts.Buckets
 	if len(buckets) == 0 {
@@ -92,9 +111,15 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 			"Time from storing a message in the outbox to the relay's publish returning (wall clocks of the writer and the relay).", "topic"),
 		relayErrors: counter("outbox_relay_publish_errors_total",
 			"Failed publishes of the outbox relay (the message is published again later).", "topic"),
+		bound: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "label_bound_reached",
+			Help:        "1 once a label value was counted under \"" + Other + "\" because its bound (Options.MaxConsumers, Options.MaxTopics) was reached, by label: consumer, topic, relay_topic.",
+			ConstLabels: opts.ConstLabels}, []string{"label"}),
 	}
+	m.consumers = newBounded(opts.MaxConsumers, m.bound.WithLabelValues("consumer"))
+	m.topics = newBounded(opts.MaxTopics, m.bound.WithLabelValues("topic"))
+	m.relayTopics = newBounded(opts.MaxTopics, m.bound.WithLabelValues("relay_topic"))
 	for _, c := range []prometheus.Collector{m.deliveries, m.invalidKeys, m.collisions, m.txRetries, m.keyBrakes, m.isolated,
-		m.claim, m.handler, m.commit, m.relayed, m.relayLag, m.relayErrors} {
+		m.claim, m.handler, m.commit, m.relayed, m.relayLag, m.relayErrors, m.bound} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("inboxmetrics: register: %w", err)
 		}
@@ -102,15 +127,40 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 	return m, nil
 }
 
-// Observer returns the inbox.Observer for the inbox of consumer (its Config.ConsumerName; set
-// it as that inbox's Config.Observer). Per delivery it counts the outcome, an invalid key, a
-// key collision, an invalid-key brake, the transaction retries and a crash-isolated run, and observes the claim,
-// handler and commit durations of the delivery's last transaction (phases that did not run
-// are not observed). The topic label is the subscribed topic from the message context
-// (message.SubscribeTopicFromCtx; "" outside a Watermill router).
-func (m *Metrics) Observer(consumer string) inbox.Observer {
-	return observer{m: m, consumer: consumer}
+// NewObserver returns the inbox.Observer for the inbox of consumer (its Config.ConsumerName;
+// set it as that inbox's Config.Observer). Per delivery it counts the outcome, an invalid
+// key, a key collision, an invalid-key brake, the transaction retries and a crash-isolated
+// run, and observes the claim, handler and commit durations of the delivery's last
+// transaction (phases that did not run are not observed). The topic label is the subscribed
+// topic from the message context (message.SubscribeTopicFromCtx; "" outside a Watermill
+// router).
+//
+// Both labels are bounded (Options.MaxConsumers, Options.MaxTopics): past the bound, a new
+// consumer name or topic is counted under Other. NewObserver returns an error wrapping
+// inbox.ErrInvalidConfig for a name inbox.New refuses (empty or blank, over
+// inbox.MaxConsumerNameBytes, invalid UTF-8, NUL, a control character), and
+// ErrReservedConsumer for Other.
+func (m *Metrics) NewObserver(consumer string) (inbox.Observer, error) {
+	if err := validateConsumer(consumer); err != nil {
+		return nil, err
+	}
+	return observer{m: m, consumer: m.consumers.label(consumer)}, nil
 }
+
+// Observer is NewObserver without the error: for a name NewObserver refuses it returns an
+// observer that records nothing (inbox.New refuses the same name; Other is never given to a
+// real consumer). Prefer NewObserver.
+func (m *Metrics) Observer(consumer string) inbox.Observer {
+	o, err := m.NewObserver(consumer)
+	if err != nil {
+		return nopObserver{}
+	}
+	return o
+}
+
+type nopObserver struct{}
+
+func (nopObserver) ObserveDelivery(context.Context, inbox.Result) {}
 
 type observer struct {
 	m        *Metrics
@@ -118,8 +168,8 @@ type observer struct {
 }
 
 func (o observer) ObserveDelivery(ctx context.Context, r inbox.Result) {
-	topic := message.SubscribeTopicFromCtx(ctx)
 	m := o.m
+	topic := m.topic(m.topics, message.SubscribeTopicFromCtx(ctx))
 	m.deliveries.WithLabelValues(o.consumer, topic, r.Outcome.String()).Inc()
 	if r.Key.MessageID == "" {
 		m.invalidKeys.WithLabelValues(o.consumer, topic).Inc()
@@ -145,6 +195,15 @@ func (o observer) ObserveDelivery(ctx context.Context, r inbox.Result) {
 	if r.Commit > 0 {
 		m.commit.WithLabelValues(o.consumer, topic).Observe(r.Commit.Seconds())
 	}
+}
+
+// topic returns the bounded label of a topic; a topic that is not valid UTF-8 (which
+// Prometheus refuses as a label value) is Other.
+func (m *Metrics) topic(b *bounded, topic string) string {
+	if !utf8.ValidString(topic) {
+		return Other
+	}
+	return b.label(topic)
 }
 
 // StoredAtKey is the metadata field in which the Outbox wrapper records when a message was
@@ -194,6 +253,7 @@ type relayPublisher struct {
 }
 
 func (p relayPublisher) Publish(topic string, msgs ...*message.Message) error {
+	label := p.m.topic(p.m.relayTopics, topic)
 	stored := make([]int64, len(msgs))
 	for i, msg := range msgs {
 		if msg == nil || msg.Metadata == nil {
@@ -205,14 +265,14 @@ func (p relayPublisher) Publish(topic string, msgs ...*message.Message) error {
 		}
 	}
 	if err := p.pub.Publish(topic, msgs...); err != nil {
-		p.m.relayErrors.WithLabelValues(topic).Inc()
+		p.m.relayErrors.WithLabelValues(label).Inc()
 		return err
 	}
 	now := time.Now()
-	p.m.relayed.WithLabelValues(topic).Add(float64(len(msgs)))
+	p.m.relayed.WithLabelValues(label).Add(float64(len(msgs)))
 	for _, ns := range stored {
 		if ns > 0 {
-			p.m.relayLag.WithLabelValues(topic).Observe(max(0, now.Sub(time.Unix(0, ns)).Seconds()))
+			p.m.relayLag.WithLabelValues(label).Observe(max(0, now.Sub(time.Unix(0, ns)).Seconds()))
 		}
 	}
 	return nil

@@ -129,10 +129,14 @@ func TestScrapeEqualsBusinessTruth(t *testing.T) {
 	}
 	dead := &recorder{}
 	const consumer = "billing"
+	obs, err := m.NewObserver(consumer)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ib, err := inbox.New(inbox.Config{
 		Store: store, ConsumerName: consumer, MaxAttempts: 2,
 		DeadLetterPublisher: dead, DeadLetterTopic: "payments.dead",
-		Observer: m.Observer(consumer), Outbox: m.Outbox(ob),
+		Observer: obs, Outbox: m.Outbox(ob),
 	}, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -29,7 +29,7 @@ func BenchmarkObservabilityOverhead(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				cfg.Observer = m.Observer("bench")
+				cfg.Observer, _ = m.NewObserver("bench")
 			}
 			if c == "metrics+tracing" {
 				tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(sdktrace.NewSimpleSpanProcessor(tracetest.NewNoopExporter())))

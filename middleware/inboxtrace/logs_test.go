@@ -51,9 +51,13 @@ func TestNoPayloadInLogsOrSpans(t *testing.T) {
 		t.Fatal(err)
 	}
 	dead := &recorder{}
+	obs, err := m.NewObserver("billing")
+	if err != nil {
+		t.Fatal(err)
+	}
 	ib, err := inbox.New(inbox.Config{
 		Store: storetest.NewMemStore(), ConsumerName: "billing", MaxAttempts: 1,
-		DeadLetterPublisher: dead, DeadLetterTopic: "dead", Observer: m.Observer("billing"),
+		DeadLetterPublisher: dead, DeadLetterTopic: "dead", Observer: obs,
 		Tracer: inboxtrace.New(inboxtrace.Config{TracerProvider: tp, ConsumerName: "billing"}),
 	}, logger)
 	if err != nil {

@@ -34,18 +34,26 @@ func (c Config) SequenceName() string {
 // one statement a line, for the schema's owner to run after InitializeSchema:
 //
 //   - USAGE on cfg.Schema, when set;
-//   - SELECT, INSERT on the messages table (the INSERT of Outbox.Store; the relay's polls);
+//   - SELECT, INSERT, DELETE on the messages table (the INSERT of Outbox.Store; the relay's
+//     polls; the purge of relayed rows, pgstore.PurgeExpired with the topic in Topics, as
+//     retention.Purger and `watermill-inbox purge --topic` run it);
 //   - USAGE on the messages table's sequence (SequenceName): the BIGSERIAL "offset" column
 //     calls nextval, and without it every write fails with SQLSTATE 42501 ("permission
 //     denied for sequence");
 //   - SELECT, INSERT, UPDATE on the offsets table (the relay's consumer-group row: INSERT ...
 //     ON CONFLICT, SELECT ... FOR UPDATE, the ack's upsert).
 //
-// An invalid topic, schema or role gives an error wrapping inbox.ErrInvalidConfig.
+// An invalid topic, schema or role (pgstore.ValidateGrantObject, pgstore.ValidateRole) gives
+// an error wrapping inbox.ErrInvalidConfig.
 func GrantSQL(cfg Config, role string) (string, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return "", err
+	}
+	if cfg.Schema != "" {
+		if err := pgstore.ValidateGrantObject("schema name", cfg.Schema); err != nil {
+			return "", err
+		}
 	}
 	if err := pgstore.ValidateRole(role); err != nil {
 		return "", err
@@ -56,7 +64,7 @@ func GrantSQL(cfg Config, role string) (string, error) {
 	if cfg.Schema != "" {
 		fmt.Fprintf(&b, "GRANT USAGE ON SCHEMA %s TO %s;\n", pgx.Identifier{cfg.Schema}.Sanitize(), r)
 	}
-	fmt.Fprintf(&b, "GRANT SELECT, INSERT ON %s TO %s;\n", cfg.MessagesTable(), r)
+	fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE ON %s TO %s;\n", cfg.MessagesTable(), r)
 	fmt.Fprintf(&b, "GRANT USAGE ON SEQUENCE %s TO %s;\n", cfg.SequenceName(), r)
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE ON %s TO %s;\n", cfg.OffsetsTable(), r)
 	return b.String(), nil

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -173,7 +174,7 @@ func (s *Store) EnsurePartitions(ctx context.Context, from, to time.Time) (creat
 		}
 		return nil
 	})
-	return created, err
+	return created, ownerError(err)
 }
 
 // DropPartitions detaches and drops every partition whose whole range ends at or before
@@ -220,7 +221,7 @@ func (s *Store) DropPartitions(ctx context.Context, olderThan time.Time) (droppe
 		}
 		return nil
 	})
-	return dropped, err
+	return dropped, ownerError(err)
 }
 
 // PartitionManagerConfig configures a PartitionManager.
@@ -357,4 +358,22 @@ func (m *PartitionManager) Close() error {
 	}
 	<-m.done
 	return nil
+}
+
+// ErrPartitionOwner is returned, wrapping PostgreSQL's error (SQLSTATE 42501,
+// insufficient_privilege), by EnsurePartitions, DropPartitions and PartitionManager rounds
+// run by a role that does not own the inbox table: creating, attaching, detaching and
+// dropping a partition need the parent table's owner (PostgreSQL's ALTER TABLE ... ATTACH
+// PARTITION and DROP TABLE), which no GRANT gives. Run `watermill-inbox partitions ensure`
+// and `partitions drop` as the owner (from cron), or a PartitionManager on a pool connected
+// as the owner; see docs/retention.md.
+var ErrPartitionOwner = errors.New("pgstore: partition maintenance needs the table's owner")
+
+// ownerError wraps err with ErrPartitionOwner when it is SQLSTATE 42501.
+func ownerError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		return fmt.Errorf("%w (run `watermill-inbox partitions ensure` and `partitions drop` as the owner): %w", ErrPartitionOwner, err)
+	}
+	return err
 }
