@@ -5,6 +5,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -49,7 +50,7 @@ func grantsCmd() *cobra.Command {
 				if dt == "" {
 					dt = deferred.DefaultTable
 				}
-				if err := pgstore.ValidateGrantObject("table name", dt); err != nil {
+				if err := ident.GrantObject("table name", dt); err != nil {
 					return err
 				}
 				d, err := deferred.GrantSQL(deferred.Config{Schema: schema, Table: deferredTable}, role)

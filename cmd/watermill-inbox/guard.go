@@ -6,8 +6,8 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/internal/redact"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // databaseURLEnv are the environment variables the database URL is read from (storeFlags.url).
@@ -32,7 +32,7 @@ func guard(root *cobra.Command) {
 			if name == "schema" {
 				what = "schema name"
 			}
-			if err := pgstore.ValidateGrantObject(what, f.Value.String()); err != nil {
+			if err := ident.GrantObject(what, f.Value.String()); err != nil {
 				return usageError{err}
 			}
 		}

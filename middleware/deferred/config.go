@@ -10,8 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // Defaults that New applies to zero Config fields.
@@ -304,10 +304,10 @@ func (c Config) validateNames() error {
 	if c.Pool == nil {
 		return fmt.Errorf("%w: deferred: Pool is required", inbox.ErrInvalidConfig)
 	}
-	if err := pgstore.ValidateIdentifier("deferred: schema name", c.Schema, 63); err != nil {
+	if err := ident.Validate("deferred: schema name", c.Schema, 63); err != nil {
 		return err
 	}
-	if err := pgstore.ValidateIdentifier("deferred: table name", c.Table, 40); err != nil {
+	if err := ident.Validate("deferred: table name", c.Table, 40); err != nil {
 		return err
 	}
 	return validateConsumerName(c.ConsumerName)

@@ -6,8 +6,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/internal/migrate"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // GrantSQL returns the GRANT statements that let role run the store-then-process inbox of cfg
@@ -27,13 +27,13 @@ import (
 // inbox.ErrInvalidConfig. The role must exist.
 func GrantSQL(cfg Config, role string) (string, error) {
 	cfg.setDefaults()
-	if err := pgstore.ValidateIdentifier("deferred: schema name", cfg.Schema, 63); err != nil {
+	if err := ident.Validate("deferred: schema name", cfg.Schema, 63); err != nil {
 		return "", err
 	}
-	if err := pgstore.ValidateIdentifier("deferred: table name", cfg.Table, 40); err != nil {
+	if err := ident.Validate("deferred: table name", cfg.Table, 40); err != nil {
 		return "", err
 	}
-	if err := pgstore.ValidateRole(role); err != nil {
+	if err := ident.Role(role); err != nil {
 		return "", err
 	}
 	r := pgx.Identifier{role}.Sanitize()

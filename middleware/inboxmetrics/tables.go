@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -141,12 +142,12 @@ func NewTableCollector(store *pgstore.Store, cfg TableConfig) (*TableCollector, 
 		if topic == "" {
 			topic = "inbox_outbox"
 		}
-		if err := pgstore.ValidateIdentifier("inboxmetrics: outbox topic", topic, 63-len("watermill_offsets_")); err != nil {
+		if err := ident.Validate("inboxmetrics: outbox topic", topic, 63-len("watermill_offsets_")); err != nil {
 			return nil, err
 		}
 		quote := func(t string) string { return pgx.Identifier{t}.Sanitize() }
 		if o.Schema != "" {
-			if err := pgstore.ValidateIdentifier("inboxmetrics: outbox schema", o.Schema, 63); err != nil {
+			if err := ident.Validate("inboxmetrics: outbox schema", o.Schema, 63); err != nil {
 				return nil, err
 			}
 			quote = func(t string) string { return pgx.Identifier{o.Schema, t}.Sanitize() }

@@ -10,8 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // DefaultTopic is the default outbox topic. With watermill-sql's table naming it is stored in
@@ -45,11 +45,11 @@ func (c *Config) setDefaults() {
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Topic or Schema.
 // Constructors call it after filling defaults.
 func (c Config) Validate() error {
-	if err := pgstore.ValidateIdentifier("outbox: topic", c.Topic, MaxTopicBytes); err != nil {
+	if err := ident.Validate("outbox: topic", c.Topic, MaxTopicBytes); err != nil {
 		return err
 	}
 	if c.Schema != "" {
-		return pgstore.ValidateIdentifier("outbox: schema", c.Schema, 63)
+		return ident.Validate("outbox: schema", c.Schema, 63)
 	}
 	return nil
 }

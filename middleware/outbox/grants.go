@@ -6,7 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 )
 
 // SequenceName returns the quoted name PostgreSQL gives the sequence of the outbox table's
@@ -51,11 +51,11 @@ func GrantSQL(cfg Config, role string) (string, error) {
 		return "", err
 	}
 	if cfg.Schema != "" {
-		if err := pgstore.ValidateGrantObject("schema name", cfg.Schema); err != nil {
+		if err := ident.GrantObject("schema name", cfg.Schema); err != nil {
 			return "", err
 		}
 	}
-	if err := pgstore.ValidateRole(role); err != nil {
+	if err := ident.Role(role); err != nil {
 		return "", err
 	}
 	r := pgx.Identifier{role}.Sanitize()

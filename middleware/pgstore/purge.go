@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/internal/purge"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
@@ -47,7 +48,7 @@ func (w WatermillTopic) Validate() error {
 // Tables returns the quoted names of the topic's messages and offsets tables, or an error
 // wrapping inbox.ErrInvalidConfig for an invalid Topic or Schema name.
 func (w WatermillTopic) Tables() (messages, offsets string, err error) {
-	if err := ValidateIdentifier("pgstore: watermill topic", w.Topic, 63-len("watermill_offsets_")); err != nil {
+	if err := ident.Validate("pgstore: watermill topic", w.Topic, 63-len("watermill_offsets_")); err != nil {
 		return "", "", err
 	}
 	q := func(name string) string {
@@ -57,7 +58,7 @@ func (w WatermillTopic) Tables() (messages, offsets string, err error) {
 		return pgx.Identifier{w.Schema, name}.Sanitize()
 	}
 	if w.Schema != "" {
-		if err := ValidateIdentifier("pgstore: watermill topic schema", w.Schema, 63); err != nil {
+		if err := ident.Validate("pgstore: watermill topic schema", w.Schema, 63); err != nil {
 			return "", "", err
 		}
 	}

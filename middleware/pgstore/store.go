@@ -22,7 +22,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -34,6 +33,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -54,25 +54,9 @@ const (
 	SQLStateDeadlockDetected = "40P01"
 )
 
-// identifierRE accepts unquoted-style PostgreSQL identifiers of at most 63 bytes
-// (NAMEDATALEN-1): a letter or underscore, then letters, digits or underscores.
-var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
-
-// ValidateIdentifier checks a name the project turns into a PostgreSQL identifier (a schema, a
-// table, an outbox topic): a letter or underscore, then letters, digits or underscores, at
-// most maxBytes bytes (at most 63, PostgreSQL's NAMEDATALEN-1; a longer name would be
-// truncated silently). It returns nil or an error wrapping inbox.ErrInvalidConfig that names
-// what (e.g. "pgstore: table name"). Names are always quoted as well (pgx.Identifier).
-func ValidateIdentifier(what, name string, maxBytes int) error {
-	if !identifierRE.MatchString(name) || len(name) > min(maxBytes, 63) {
-		return fmt.Errorf("%w: %s %q: want letters, digits and underscores, not starting with a digit, at most %d bytes",
-			inbox.ErrInvalidConfig, what, name, min(maxBytes, 63))
-	}
-	return nil
-}
-
 // Config names the inbox table and holds the PostgreSQL settings of the inbox transaction.
-// Names are validated by ValidateIdentifier and always quoted.
+// Names are validated (letters, digits and underscores, not starting with a digit or pg_) and
+// always quoted.
 type Config struct {
 	// Schema holding the table. Default: DefaultSchema. Migrate creates it when missing.
 	Schema string
@@ -154,10 +138,10 @@ func newNames(cfg Config) (*Store, error) {
 	if cfg.Table == "" {
 		cfg.Table = DefaultTable
 	}
-	if err := ValidateIdentifier("pgstore: schema name", cfg.Schema, 63); err != nil {
+	if err := ident.Validate("schema name", cfg.Schema, 63); err != nil {
 		return nil, err
 	}
-	if err := ValidateIdentifier("pgstore: table name", cfg.Table, 47); err != nil {
+	if err := ident.Validate("table name", cfg.Table, 47); err != nil {
 		return nil, err
 	}
 	if err := validateLayout(cfg); err != nil {
