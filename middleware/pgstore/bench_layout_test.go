@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -161,7 +160,7 @@ func BenchmarkPartitionDropVsDelete(b *testing.B) {
 			b.Fatalf("drop: %v %v", dropped, err)
 		}
 		start = time.Now()
-		res, err := s.Purge(ctx, inbox.PurgeParams{Before: deleteDay.Add(24 * time.Hour), BatchSize: 5000})
+		res, err := s.Purge(ctx, pgstore.PurgeParams{Before: deleteDay.Add(24 * time.Hour), BatchSize: 5000})
 		del := time.Since(start)
 		if err != nil || res.Deleted != int64(rows) {
 			b.Fatalf("batched delete: %+v %v; want %d rows", res, err, rows)

@@ -4,10 +4,10 @@ import (
 	"context"
 	"crypto/sha256"
 	"database/sql"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/url"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,8 +15,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -87,16 +87,15 @@ func TestHandlerLockTimeoutEverywhere(t *testing.T) {
 				for _, path := range claimPaths {
 					for _, iso := range isos {
 						name := fmt.Sprintf("%s-%s-%d-%s", l.name, path.name, iso, stmt)
-						p := keys.claim(name).ClaimParams
+						p := keys.claim(name)
 						p.PayloadHash = make([]byte, 32)
 						p.Isolation = iso
 						tx, claimed, err := path.claim(ctx, s, p)
 						if err != nil || !claimed {
 							t.Fatalf("%s: claim: %v %v", name, err, claimed)
 						}
-						ptx, _ := pgstore.PgxTx(tx)
 						var lt string
-						if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
+						if err := handlerTx(t, tx).QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
 							t.Fatal(err)
 						}
 						if lt != sessionLockTimeout {
@@ -111,17 +110,17 @@ func TestHandlerLockTimeoutEverywhere(t *testing.T) {
 						}
 						check(name + " after a duplicate")
 						// Behind a claim in flight until the context ends.
-						q := keys.claim(name + "-held").ClaimParams
+						q := keys.claim(name + "-held")
 						q.PayloadHash = make([]byte, 32)
 						q.Isolation = iso
-						held, _, err := holder.Claim(ctx, q)
-						if err != nil {
-							t.Fatal(err)
-						}
+						held, _ := mustClaim(t, holder, q, contract.Run)
 						cctx, cancel := context.WithTimeout(ctx, 60*time.Millisecond)
 						_, _, err = path.claim(cctx, s, q)
 						cancel()
-						_ = held.Rollback(ctx)
+						// Fail that does not count takes the holder's count back.
+						if _, err := held.Fail(ctx, contract.Failure{}); err != nil {
+							t.Fatal(err)
+						}
 						if !errors.Is(err, pgstore.ErrClaimInFlight) {
 							t.Errorf("%s: claim behind a claim in flight: %v, want ErrClaimInFlight", name, err)
 						}
@@ -129,42 +128,43 @@ func TestHandlerLockTimeoutEverywhere(t *testing.T) {
 					}
 				}
 				// A dead-lettered key.
-				dl := keys.claim(fmt.Sprintf("dead-%s", stmt)).ClaimParams
+				dl := keys.claim(fmt.Sprintf("dead-%s", stmt))
 				dl.PayloadHash = make([]byte, 32)
-				if err := s.MarkDeadLettered(ctx, inbox.AttemptParams{Key: dl.Key, Error: "x"}); err != nil {
+				if err := s.MarkDeadLettered(ctx, dl.Key, "x"); err != nil {
 					t.Fatal(err)
 				}
 				for _, cf := range []bool{true, false} {
-					tx, res, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: dl, CountFirst: cf})
-					if err != nil || tx != nil || !res.Record.DeadLettered {
-						t.Fatalf("dead-lettered claim: %v %+v", err, res)
-					}
+					dl.CountFirst = cf
+					mustClaim(t, s, dl, contract.DeadLettered)
 					check("after a dead-lettered key")
 				}
 				// Batches, counted or not, counting first or not.
 				for _, counted := range []bool{false, true} {
 					for _, cf := range []bool{false, true} {
 						for _, iso := range isos {
-							var ps []inbox.CountedClaimParams
+							var ds []contract.Delivery
 							for m := range 3 {
 								c := keys.claim(fmt.Sprintf("batch-%v-%v-%d-%d-%s", counted, cf, iso, m, stmt))
 								c.PayloadHash = make([]byte, 32)
 								c.Isolation = iso
 								c.CountFirst = cf && m != 1
-								ps = append(ps, c)
+								if !counted {
+									c.MaxAttempts, c.CountFirst = 0, false
+								}
+								ds = append(ds, c)
 							}
-							bt, res, err := s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: ps, Counted: counted, Isolation: iso})
+							ds = sortedByKey(ds...)
+							bt, cs, err := s.ClaimBatch(ctx, ds)
 							if err != nil {
 								t.Fatal(err)
 							}
-							for k, r := range res {
-								if !r.Claimed {
-									t.Fatalf("batch member %d not claimed", k)
+							for k, c := range cs {
+								if c.Decision != contract.Run {
+									t.Fatalf("batch member %d: %s, want Run", k, decisionName(c.Decision))
 								}
 							}
-							ptx, _ := pgstore.PgxTx(bt)
 							var lt string
-							if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
+							if err := handlerTx(t, bt).QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
 								t.Fatal(err)
 							}
 							if lt != sessionLockTimeout {
@@ -174,13 +174,13 @@ func TestHandlerLockTimeoutEverywhere(t *testing.T) {
 								t.Fatal(err)
 							}
 							check("after a batch")
-							bt, res, err = s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: ps, Counted: counted, Isolation: iso})
+							bt, cs, err = s.ClaimBatch(ctx, ds)
 							if err != nil {
 								t.Fatal(err)
 							}
-							for k, r := range res {
-								if r.Claimed {
-									t.Fatalf("batch member %d claimed twice", k)
+							for k, c := range cs {
+								if c.Decision != contract.Duplicate {
+									t.Fatalf("batch member %d claimed twice: %s", k, decisionName(c.Decision))
 								}
 							}
 							_ = bt.Rollback(ctx)
@@ -197,11 +197,12 @@ func TestHandlerLockTimeoutEverywhere(t *testing.T) {
 	}
 }
 
-// TestClaimBehindAClaimInFlightAlwaysSaysSo: a claim (single or batch) whose key stays held by
-// a delivery in flight until its context ends fails with ErrClaimInFlight every time, however
-// the end of its context falls against its pauses: never with ErrWaitingForConnection ("0 of
-// N connections in use") or a bare deadline when its last pause ended just as the context did.
-// Each try's context ends at a different moment of the pause schedule.
+// TestClaimBehindAClaimInFlightAlwaysSaysSo: a claim whose key stays held by a delivery in
+// flight until its context ends fails with ErrClaimInFlight every time, however the end of its
+// context falls against its pauses: never with ErrWaitingForConnection ("0 of N connections
+// in use") or a bare deadline when its last pause ended just as the context did. Each try's
+// context ends at a different moment of the pause schedule. A batch with that key never
+// waits: the member is decided RunAlone. Nothing is counted.
 func TestClaimBehindAClaimInFlightAlwaysSaysSo(t *testing.T) {
 	for _, l := range []struct {
 		name string
@@ -211,32 +212,28 @@ func TestClaimBehindAClaimInFlightAlwaysSaysSo(t *testing.T) {
 			s, sch := layoutStore(t, 3, l.cfg)
 			keys := newLayoutKeys(s.Config())
 			ctx := context.Background()
-			p := keys.claim("held").ClaimParams
+			p := keys.claim("held")
 			p.PayloadHash = make([]byte, 32)
-			held, _, err := s.Claim(ctx, p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer held.Rollback(ctx)
-			// Warm the pool up: a first try may wait for a new connection, which is no lock wait.
+			p.MaxAttempts, p.CountFirst = 0, false // the holder counts nothing
+			held, _ := mustClaim(t, s, p, contract.Run)
+			defer release(held)
+			p = countedFirst(p, true)
 			// Warm both free connections up (connected, statements prepared): a first try
 			// may wait for a new connection or a slow prepare on a busy machine, which is no
 			// lock wait.
 			for round := range 3 {
 				var wg sync.WaitGroup
 				for c := range 2 {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						w := keys.claim(fmt.Sprintf("warm-%d-%d", round, c)).ClaimParams
+					wg.Go(func() {
+						w := keys.claim(fmt.Sprintf("warm-%d-%d", round, c))
 						w.PayloadHash = make([]byte, 32)
-						if tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: w, CountFirst: true}); err == nil && tx != nil {
-							_ = tx.Rollback(ctx)
+						if tx, _, err := s.Claim(ctx, w); err == nil {
+							release(tx)
 						}
-						if bt, _, err := s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: []inbox.CountedClaimParams{{ClaimParams: w}}, Counted: true}); err == nil {
+						if bt, _, err := s.ClaimBatch(ctx, []contract.Delivery{w}); err == nil {
 							_ = bt.Rollback(ctx)
 						}
-					}()
+					})
 				}
 				wg.Wait()
 			}
@@ -244,21 +241,25 @@ func TestClaimBehindAClaimInFlightAlwaysSaysSo(t *testing.T) {
 			for i := range 40 {
 				d := time.Duration(30+2*i) * time.Millisecond
 				cctx, cancel := context.WithTimeout(ctx, d)
-				var err error
-				if i%2 == 0 {
-					_, _, err = s.ClaimCounted(cctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: true})
+				if i%4 == 3 {
+					bt, cs, err := s.ClaimBatch(cctx, []contract.Delivery{p})
+					if err != nil || cs[0].Decision != contract.RunAlone {
+						wrong++
+						t.Errorf("try %d: batch %v %+v, want the held member decided RunAlone", i, err, cs)
+					} else {
+						_ = bt.Rollback(ctx)
+					}
 				} else {
-					_, _, err = s.ClaimBatch(cctx, inbox.BatchClaimParams{Claims: []inbox.CountedClaimParams{{ClaimParams: p}}, Counted: true})
+					_, _, err := s.Claim(cctx, p)
+					if !errors.Is(err, pgstore.ErrClaimInFlight) || !errors.Is(err, context.DeadlineExceeded) {
+						wrong++
+						t.Errorf("try %d (context %s): %v; want ErrClaimInFlight and the deadline", i, d, err)
+					}
 				}
 				cancel()
-				if !errors.Is(err, pgstore.ErrClaimInFlight) || !errors.Is(err, context.DeadlineExceeded) {
-					wrong++
-					t.Errorf("try %d (context %s): %v; want ErrClaimInFlight and the deadline", i, d, err)
-				}
 			}
-			var records int
-			if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.AttemptsTable()+" WHERE message_id = $1", p.Key.MessageID).Scan(&records); err != nil || records != 0 {
-				t.Fatalf("%d attempt records (%v), want 0: waits are not attempts", records, err)
+			if n, ok := attemptsRow(t, sch.Pool, s, p.Key); ok {
+				t.Fatalf("%d attempts recorded, want no record: waits are not attempts", n)
 			}
 			t.Logf("%d of 40 tries misreported", wrong)
 		})
@@ -307,16 +308,20 @@ func TestMigratedCompactRowsPurgeAndHashes(t *testing.T) {
 				t.Fatalf("migrate: %v %v", applied, err)
 			}
 			for i, r := range rows {
-				tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: r.id, ConsumerName: "billing"}, PayloadHash: r.hash[:], ProducerTime: now})
-				if err != nil || res.Claimed || tx != nil {
-					t.Fatalf("row %d after 0003: %v %+v, want a duplicate", i, err, res)
+				d := plain(r.id, "billing")
+				d.PayloadHash, d.ProducerTime = r.hash[:], now
+				mustClaim(t, s, d, contract.Duplicate)
+				var stored int16
+				if err := sch.Pool.QueryRow(ctx, "SELECT payload_hash FROM "+s.Table()+" WHERE message_id = $1::uuid", r.id).Scan(&stored); err != nil {
+					t.Fatal(err)
 				}
-				if string(res.StoredPayloadHash) != string(r.hash[:2]) {
-					t.Errorf("row %d: stored hash %x, want %x", i, res.StoredPayloadHash, r.hash[:2])
+				if got := binary.BigEndian.AppendUint16(nil, uint16(stored)); string(got) != string(r.hash[:2]) {
+					t.Errorf("row %d: stored hash %x, want %x", i, got, r.hash[:2])
 				}
 				other := rows[(i+1)%len(rows)].hash
-				if string(other[:2]) != string(r.hash[:2]) && strings.HasPrefix(string(other[:]), string(res.StoredPayloadHash)) {
-					t.Errorf("row %d: another payload is not told apart", i)
+				if string(other[:2]) != string(r.hash[:2]) {
+					d.PayloadHash = other[:]
+					mustClaim(t, s, d, contract.Collision) // another payload is told apart
 				}
 			}
 			left := func() map[string]bool {
@@ -335,7 +340,7 @@ func TestMigratedCompactRowsPurgeAndHashes(t *testing.T) {
 				return got
 			}
 			for _, before := range []time.Time{minute.Add(59 * time.Second), minute.Add(time.Minute), minute.Add(time.Minute + 45*time.Second), minute.Add(2 * time.Minute)} {
-				if _, err := s.Purge(ctx, inbox.PurgeParams{Before: before}); err != nil {
+				if _, err := s.Purge(ctx, pgstore.PurgeParams{Before: before}); err != nil {
 					t.Fatal(err)
 				}
 				got := left()
@@ -352,11 +357,11 @@ func TestMigratedCompactRowsPurgeAndHashes(t *testing.T) {
 	}
 }
 
-// TestConcurrentBatchesShareAKey: on every layout, a plain and a counted batch claim
-// of keys [b, c] behind an open batch of [a, b]: it waits (in process) until the first
-// commits, then claims c and reports b as a duplicate with the first batch's stored hash
-// (its first 2 bytes in the compact layout, whose first byte is >= 0x80 here), so that the
-// same payload is a duplicate and another payload a collision.
+// TestConcurrentBatchesShareAKey: on every layout, a plain and a counted batch claim of keys
+// [b, c] while a batch of [a, b] is open: it does not wait (the key's lock is tried), decides
+// b RunAlone and claims c; once the first commits, b claimed alone with the first batch's
+// payload is a duplicate and with another payload a collision (the first batch's stored hash:
+// its first 2 bytes in the compact layout, whose first byte is >= 0x80 here).
 func TestConcurrentBatchesShareAKey(t *testing.T) {
 	hashOf := func(s string) []byte {
 		for n := 0; ; n++ {
@@ -372,51 +377,50 @@ func TestConcurrentBatchesShareAKey(t *testing.T) {
 				s, sch := layoutStore(t, 4, l.cfg)
 				keys := newLayoutKeys(s.Config())
 				ctx := context.Background()
-				claim := func(name, payload string) inbox.CountedClaimParams {
+				claim := func(name, payload string) contract.Delivery {
 					c := keys.claim(name)
 					c.PayloadHash = hashOf(payload)
-					c.CountFirst = counted
+					if !counted {
+						c.MaxAttempts, c.CountFirst = 0, false
+					}
 					return c
 				}
-				first, res, err := s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: []inbox.CountedClaimParams{claim("a", "pa"), claim("b", "pb")}, Counted: counted})
-				if err != nil || !res[0].Claimed || !res[1].Claimed {
-					t.Fatalf("first batch: %v %+v", err, res)
+				decisions := func(ds []contract.Delivery, cs []contract.Claim, want map[string]contract.Decision) {
+					t.Helper()
+					for k, d := range ds {
+						for name, w := range want {
+							if d.Key.MessageID == keys.id(name) && cs[k].Decision != w {
+								t.Fatalf("member %s: %s, want %s", name, decisionName(cs[k].Decision), decisionName(w))
+							}
+						}
+					}
 				}
-				type out struct {
-					res []inbox.CountedClaimResult
-					err error
-					bt  inbox.BatchTx
+				ds1 := sortedByKey(claim("a", "pa"), claim("b", "pb"))
+				first, cs, err := s.ClaimBatch(ctx, ds1)
+				if err != nil {
+					t.Fatalf("first batch: %v", err)
 				}
-				done := make(chan out, 1)
-				go func() {
-					cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-					defer cancel()
-					bt, res, err := s.ClaimBatch(cctx, inbox.BatchClaimParams{Claims: []inbox.CountedClaimParams{claim("b", "pb-other"), claim("c", "pc")}, Counted: counted})
-					done <- out{res, err, bt}
-				}()
-				time.Sleep(150 * time.Millisecond)
-				select {
-				case o := <-done:
-					t.Fatalf("the second batch did not wait for the first: %+v %v", o.res, o.err)
-				default:
+				decisions(ds1, cs, map[string]contract.Decision{"a": contract.Run, "b": contract.Run})
+				ds2 := sortedByKey(claim("b", "pb-other"), claim("c", "pc"))
+				cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+				start := time.Now()
+				second, cs, err := s.ClaimBatch(cctx, ds2)
+				cancel()
+				if err != nil {
+					t.Fatalf("second batch: %v", err)
 				}
+				if d := time.Since(start); d > 3*time.Second {
+					t.Fatalf("the second batch took %s: it waited for the first", d)
+				}
+				decisions(ds2, cs, map[string]contract.Decision{"b": contract.RunAlone, "c": contract.Run})
 				if err := first.Commit(ctx); err != nil {
 					t.Fatal(err)
 				}
-				o := <-done
-				if o.err != nil {
-					t.Fatalf("second batch: %v", o.err)
-				}
-				if o.res[0].Claimed || !o.res[1].Claimed {
-					t.Fatalf("second batch: b claimed %v, c claimed %v; want a duplicate and a claim", o.res[0].Claimed, o.res[1].Claimed)
-				}
-				stored := o.res[0].StoredPayloadHash
-				if len(stored) == 0 || !strings.HasPrefix(string(hashOf("pb")), string(stored)) || strings.HasPrefix(string(hashOf("pb-other")), string(stored)) {
-					t.Fatalf("b's stored hash %x: not a prefix of the first payload's %x, or also of the other's %x", stored, hashOf("pb")[:4], hashOf("pb-other")[:4])
-				}
-				if err := o.bt.Commit(ctx); err != nil {
+				if err := second.Commit(ctx); err != nil {
 					t.Fatal(err)
 				}
+				mustClaim(t, s, claim("b", "pb"), contract.Duplicate)
+				mustClaim(t, s, claim("b", "pb-other"), contract.Collision)
 				rows, records := rowsAndRecords(t, sch.Pool, s)
 				if rows != 3 || records != 0 {
 					t.Fatalf("%d inbox rows and %d attempt records, want 3 and 0", rows, records)
@@ -468,15 +472,14 @@ func TestRoleDefaultLockTimeout(t *testing.T) {
 			}
 			keys := newLayoutKeys(s.Config())
 			for _, path := range claimPaths {
-				p := keys.claim("role-" + path.name).ClaimParams
+				p := keys.claim("role-" + path.name)
 				p.PayloadHash = make([]byte, 32)
 				tx, claimed, err := path.claim(ctx, s, p)
 				if err != nil || !claimed {
 					t.Fatalf("%s: claim as the role: %v %v", path.name, err, claimed)
 				}
-				ptx, _ := pgstore.PgxTx(tx)
 				var lt string
-				if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
+				if err := handlerTx(t, tx).QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&lt); err != nil {
 					t.Fatal(err)
 				}
 				if err := tx.Commit(ctx); err != nil {
@@ -485,6 +488,9 @@ func TestRoleDefaultLockTimeout(t *testing.T) {
 				after, _, _ := connSettings(t, pool)
 				if lt != "3s" || after != "3s" {
 					t.Errorf("%s: the handler ran under lock_timeout %q and the connection has %q afterwards; want the role's 3s", path.name, lt, after)
+				}
+				if n := claimRows(t, sch.Pool, s, p.Key.MessageID); n != 1 {
+					t.Errorf("%s: %d rows of the claim, want 1", path.name, n)
 				}
 			}
 		})

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -36,22 +37,26 @@ func TestGrantSQLRunsEveryLayout(t *testing.T) {
 			keys := newLayoutKeys(l.cfg)
 			p := keys.claim("m-granted")
 			p.Key.ConsumerName = "billing-" + l.name // registered by the role itself
-			tx, res, err := s.ClaimCounted(ctx, p)
-			if err != nil || !res.Claimed {
-				t.Fatalf("first claim as the application role: %v %+v", err, res)
-			}
-			if n, err := tx.Fail(ctx, inbox.FailParams{Error: "boom"}); err != nil || n != 1 {
+			tx, _ := mustClaim(t, s, p, contract.Run)
+			if n, err := tx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil || n != 1 {
 				t.Fatalf("Fail as the application role: %d, %v", n, err)
 			}
-			tx, res, err = s.ClaimCounted(ctx, p)
-			if err != nil || !res.Claimed || res.Record.Attempts != 2 {
-				t.Fatalf("second claim: %v %+v, want claimed with 2 attempts", err, res)
+			if n, _ := attemptsRow(t, sch.Pool, s, p.Key); n != 1 {
+				t.Fatalf("%d attempts recorded after the failure, want 1", n)
+			}
+			tx, c := mustClaim(t, s, p, contract.Run)
+			if c.Attempts != 1 || c.LastError != "boom" {
+				t.Fatalf("second claim: %+v, want 1 earlier attempt and its error", c)
 			}
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatalf("commit as the application role: %v", err)
 			}
-			if dup, res, err := s.Claim(ctx, p.ClaimParams); err != nil || res.Claimed || dup != nil {
-				t.Fatalf("duplicate as the application role: %v %+v", err, res)
+			mustClaim(t, s, p, contract.Duplicate)
+			if err := s.MarkDeadLettered(ctx, keys.claim("m-dead").Key, "poison"); err != nil {
+				t.Fatalf("MarkDeadLettered as the application role: %v", err)
+			}
+			if ok, err := s.Replay(ctx, keys.claim("m-dead").Key); err != nil || !ok {
+				t.Fatalf("Replay as the application role: %v %v", ok, err)
 			}
 			if _, err := s.PurgeExpired(ctx, pgstore.PurgeExpiredParams{}); err != nil {
 				t.Fatalf("PurgeExpired as the application role: %v", err)

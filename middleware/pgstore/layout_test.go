@@ -14,10 +14,11 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 // uuid7 returns a canonical lowercase UUIDv7 whose timestamp is at (milliseconds) and whose
@@ -58,42 +59,66 @@ type uuidKeys struct {
 	at time.Time
 }
 
-func (u uuidKeys) key(k inbox.Key) inbox.Key {
+func (u uuidKeys) key(k contract.Key) contract.Key {
 	k.MessageID = uuid7(k.MessageID, u.at)
 	return k
 }
 
-func (u uuidKeys) Claim(ctx context.Context, p inbox.ClaimParams) (inbox.Tx, inbox.ClaimResult, error) {
-	p.Key, p.ProducerTime = u.key(p.Key), u.at
-	return u.Store.Claim(ctx, p)
+func (u uuidKeys) delivery(d contract.Delivery) contract.Delivery {
+	d.Key, d.ProducerTime = u.key(d.Key), u.at
+	return d
 }
 
-func (u uuidKeys) ClaimCounted(ctx context.Context, p inbox.CountedClaimParams) (inbox.CountedTx, inbox.CountedClaimResult, error) {
-	p.Key, p.ProducerTime = u.key(p.Key), u.at
-	return u.Store.ClaimCounted(ctx, p)
+func (u uuidKeys) Check(d contract.Delivery) error { return u.Store.Check(u.delivery(d)) }
+
+func (u uuidKeys) Claim(ctx context.Context, d contract.Delivery) (contract.Tx, contract.Claim, error) {
+	return u.Store.Claim(ctx, u.delivery(d))
 }
 
-func (u uuidKeys) ClaimBatch(ctx context.Context, p inbox.BatchClaimParams) (inbox.BatchTx, []inbox.CountedClaimResult, error) {
-	p.Claims = slices.Clone(p.Claims)
-	for k := range p.Claims {
-		p.Claims[k].Key, p.Claims[k].ProducerTime = u.key(p.Claims[k].Key), u.at
+func (u uuidKeys) ClaimBatch(ctx context.Context, ds []contract.Delivery) (contract.BatchTx, []contract.Claim, error) {
+	ds = slices.Clone(ds)
+	for k := range ds {
+		ds[k] = u.delivery(ds[k])
 	}
-	return u.Store.ClaimBatch(ctx, p)
+	// The batch is sorted by key, as the inbox sorts it; the mapped keys sort otherwise.
+	order := make([]int, len(ds))
+	for k := range order {
+		order[k] = k
+	}
+	slices.SortFunc(order, func(a, b int) int { return strings.Compare(ds[a].Key.MessageID, ds[b].Key.MessageID) })
+	sorted := make([]contract.Delivery, len(ds))
+	for k, o := range order {
+		sorted[k] = ds[o]
+	}
+	bt, cs, err := u.Store.ClaimBatch(ctx, sorted)
+	if err != nil {
+		return nil, nil, err
+	}
+	out := make([]contract.Claim, len(cs))
+	pos := make([]int, len(ds)) // the original index's position in sorted
+	for k, o := range order {
+		out[o] = cs[k]
+		pos[o] = k
+	}
+	return batchIndex{bt, pos}, out, nil
 }
 
-func (u uuidKeys) AdjustAttempts(ctx context.Context, p inbox.AttemptParams) (int, error) {
-	p.Key = u.key(p.Key)
-	return u.Store.AdjustAttempts(ctx, p)
+// batchIndex maps the members of a batch uuidKeys sorted back to the caller's indexes.
+type batchIndex struct {
+	contract.BatchTx
+	pos []int
 }
 
-func (u uuidKeys) MarkDeadLettered(ctx context.Context, p inbox.AttemptParams) error {
-	p.Key = u.key(p.Key)
-	return u.Store.MarkDeadLettered(ctx, p)
+func (b batchIndex) Drop(ctx context.Context, member int, f contract.Failure) (int, error) {
+	return b.BatchTx.Drop(ctx, b.pos[member], f)
 }
 
-func (u uuidKeys) Replay(ctx context.Context, p inbox.AttemptParams) (bool, error) {
-	p.Key = u.key(p.Key)
-	return u.Store.Replay(ctx, p)
+func (u uuidKeys) MarkDeadLettered(ctx context.Context, k contract.Key, reason string) error {
+	return u.Store.MarkDeadLettered(ctx, u.key(k), reason)
+}
+
+func (u uuidKeys) Replay(ctx context.Context, k contract.Key) (bool, error) {
+	return u.Store.Replay(ctx, u.key(k))
 }
 
 // TestConformanceLayouts runs the storetest suite, its group-commit cases (Batch/...)
@@ -111,9 +136,12 @@ func TestConformanceLayouts(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			at := time.Now().Truncate(time.Millisecond)
-			storetest.Run(t, func(t *testing.T) inbox.Store {
-				s, _ := layoutStore(t, 8, tc.cfg)
-				return uuidKeys{Store: s, at: at}
+			storetest.Run(t, storetest.Harness{
+				New: func(t *testing.T) contract.Store {
+					s, _ := layoutStore(t, 8, tc.cfg)
+					return track(t, uuidKeys{Store: s, at: at})
+				},
+				Record: readRecord,
 			})
 		})
 	}
@@ -127,9 +155,21 @@ func TestCompactRefusesOtherKeys(t *testing.T) {
 	ctx := context.Background()
 	for _, id := range []string{"order-42", "A0EEBC99-9C0B-4EF8-BB6D-6BB9BD380A11", "{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}",
 		"a0eebc999c0b4ef8bb6d6bb9bd380a11", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a1", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a1g"} {
-		tx, _, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "c"}})
-		if tx != nil || !errors.Is(err, pgstore.ErrKeyNotUUID) || !errors.Is(err, inbox.ErrInvalidKey) {
-			t.Fatalf("Claim(%q) on the compact layout: tx %v, err %v; want ErrKeyNotUUID", id, tx, err)
+		for _, d := range []contract.Delivery{plain(id, "c"), countedFirst(plain(id, "c"), true)} {
+			if err := s.Check(d); !errors.Is(err, pgstore.ErrKeyNotUUID) || !errors.Is(err, inbox.ErrInvalidKey) {
+				t.Fatalf("Check(%q) on the compact layout: %v; want ErrKeyNotUUID", id, err)
+			}
+			tx, _, err := s.Claim(ctx, d)
+			if tx != nil || !errors.Is(err, pgstore.ErrKeyNotUUID) || !errors.Is(err, inbox.ErrInvalidKey) {
+				t.Fatalf("Claim(%q) on the compact layout: tx %v, err %v; want ErrKeyNotUUID", id, tx, err)
+			}
+			bt, _, err := s.ClaimBatch(ctx, []contract.Delivery{d})
+			if bt != nil || !errors.Is(err, pgstore.ErrKeyNotUUID) {
+				t.Fatalf("ClaimBatch(%q) on the compact layout: %v; want ErrKeyNotUUID", id, err)
+			}
+		}
+		if rows, records := rowsAndRecords(t, sch.Pool, s); rows+records != 0 {
+			t.Fatalf("refused keys left %d rows and %d attempt records", rows, records)
 		}
 	}
 	ib, err := inbox.New(inbox.Config{Store: s, ConsumerName: "billing", InvalidKeyBrake: inbox.InvalidKeyBrake{Disabled: true}}, nil)
@@ -176,8 +216,11 @@ func TestPartitionedModeNeedsAProducerTime(t *testing.T) {
 	if _, err := inbox.New(inbox.Config{Store: s, ConsumerName: "c"}, nil); !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "ProducerTime") {
 		t.Fatalf("inbox.New without ProducerTime on a store partitioned by claim time: %v", err)
 	}
-	if err := s.CheckClaim(inbox.ClaimParams{Key: inbox.Key{MessageID: "m", ConsumerName: "c"}}); !errors.Is(err, pgstore.ErrNoProducerTime) {
-		t.Fatalf("CheckClaim without a producer time: %v", err)
+	if err := s.Check(plain("m", "c")); !errors.Is(err, pgstore.ErrNoProducerTime) {
+		t.Fatalf("Check without a producer time: %v", err)
+	}
+	if !s.NeedsProducerTime() {
+		t.Fatal("a store partitioned by claim time does not say it needs a producer time")
 	}
 	// Through the inbox: a message without a producer time, or with an unreadable one, is an
 	// invalid key; the handler does not run and nothing is written.
@@ -218,8 +261,11 @@ func TestPartitionedModeNeedsAProducerTime(t *testing.T) {
 		t.Fatal(err)
 	}
 	v4 := "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
-	if err := k.CheckClaim(inbox.ClaimParams{Key: inbox.Key{MessageID: v4, ConsumerName: "c"}}); !errors.Is(err, pgstore.ErrKeyNotUUIDv7) {
-		t.Fatalf("CheckClaim of a UUIDv4 on a store partitioned by key time: %v", err)
+	if err := k.Check(plain(v4, "c")); !errors.Is(err, pgstore.ErrKeyNotUUIDv7) {
+		t.Fatalf("Check of a UUIDv4 on a store partitioned by key time: %v", err)
+	}
+	if k.NeedsProducerTime() {
+		t.Fatal("a store partitioned by key time says it needs a producer time")
 	}
 }
 
@@ -315,35 +361,25 @@ func TestConcurrentDuplicateAcrossBoundary(t *testing.T) {
 	boundary := pgstore.PeriodOf(time.Now(), pgstore.PartitionDaily).Add(24 * time.Hour)
 	sch.CreateAccounts(t, 1)
 	k := uuid7("copy", boundary.Add(-time.Millisecond))
-	p := inbox.ClaimParams{Key: inbox.Key{MessageID: k, ConsumerName: "billing"}}
-	first, res, err := s.Claim(ctx, p)
-	if err != nil || !res.Claimed {
-		t.Fatalf("first claim: %+v, %v", res, err)
-	}
-	tx, _ := pgstore.PgxTx(first)
-	if _, err := tx.Exec(ctx, "UPDATE accounts SET balance = balance + 100 WHERE id = 1"); err != nil {
+	d := plain(k, "billing")
+	first, _ := mustClaim(t, s, d, contract.Run)
+	if _, err := handlerTx(t, first).Exec(ctx, "UPDATE accounts SET balance = balance + 100 WHERE id = 1"); err != nil {
 		t.Fatal(err)
 	}
 	type result struct {
-		claimed bool
-		err     error
+		c   contract.Claim
+		err error
 	}
 	second := make(chan result, 1)
 	go func() {
-		tx, res, err := s.Claim(ctx, p)
-		if tx != nil {
-			_ = tx.Rollback(ctx)
-		}
-		second <- result{res.Claimed, err}
+		cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		defer cancel()
+		tx, c, err := s.Claim(cctx, d)
+		release(tx)
+		second <- result{c, err}
 	}()
 	// Across the boundary: not blocked by the open claim.
-	other, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("other", boundary), ConsumerName: "billing"}})
-	if err != nil || !res.Claimed {
-		t.Fatalf("claim after the boundary: %+v, %v", res, err)
-	}
-	if err := other.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	mustCommit(t, s, plain(uuid7("other", boundary), "billing"))
 	select {
 	case r := <-second:
 		t.Fatalf("the concurrent copy did not wait for the first claim: %+v", r)
@@ -353,8 +389,8 @@ func TestConcurrentDuplicateAcrossBoundary(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := <-second
-	if r.err != nil || r.claimed {
-		t.Fatalf("concurrent copy: claimed %v, err %v; want a duplicate", r.claimed, r.err)
+	if r.err != nil || r.c.Decision != contract.Duplicate {
+		t.Fatalf("concurrent copy: %+v, err %v; want a duplicate", r.c, r.err)
 	}
 	var balance int64
 	var rows int
@@ -372,20 +408,15 @@ func TestMissingPartitionIsAClearError(t *testing.T) {
 	s, sch := layoutStore(t, 4, pgstore.Config{Partitioning: &pgstore.Partitioning{ProducerTime: pgstore.ProducerTimeFromKey}})
 	ctx := context.Background()
 	far := time.Now().Add(30 * 24 * time.Hour)
-	p := inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("far", far), ConsumerName: "c"}}
-	for _, claim := range []func() (inbox.Tx, error){
-		func() (inbox.Tx, error) { tx, _, err := s.Claim(ctx, p); return tx, err },
-		func() (inbox.Tx, error) {
-			tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: true})
-			if tx == nil {
-				return nil, err
-			}
-			return tx, err
-		},
-	} {
-		tx, err := claim()
+	p := plain(uuid7("far", far), "c")
+	for _, d := range []contract.Delivery{p, countedFirst(p, false), countedFirst(p, true)} {
+		tx, _, err := s.Claim(ctx, d)
 		if tx != nil || !errors.Is(err, pgstore.ErrNoPartition) || !strings.Contains(err.Error(), "partitions ensure") {
 			t.Fatalf("claim without a partition: tx %v, err %v; want ErrNoPartition", tx, err)
+		}
+		bt, _, err := s.ClaimBatch(ctx, []contract.Delivery{d})
+		if bt != nil || !errors.Is(err, pgstore.ErrNoPartition) {
+			t.Fatalf("batch claim without a partition: %v; want ErrNoPartition", err)
 		}
 	}
 	if rows, attempts := rowsAndRecords(t, sch.Pool, s); rows+attempts != 0 {
@@ -394,12 +425,9 @@ func TestMissingPartitionIsAClearError(t *testing.T) {
 	if _, err := s.EnsurePartitions(ctx, far, far); err != nil {
 		t.Fatal(err)
 	}
-	tx, res, err := s.Claim(ctx, p)
-	if err != nil || !res.Claimed {
-		t.Fatalf("claim after EnsurePartitions: %+v, %v", res, err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
+	mustCommit(t, s, countedFirst(p, true))
+	if rows, attempts := rowsAndRecords(t, sch.Pool, s); rows != 1 || attempts != 0 {
+		t.Fatalf("after the claim: %d rows, %d attempt records; want 1 and 0", rows, attempts)
 	}
 }
 
@@ -428,15 +456,7 @@ func TestPartitionManager(t *testing.T) {
 		!first.Equal(pgstore.PeriodOf(now.Add(-72*time.Hour), pgstore.PartitionDaily)) || !last.Equal(pgstore.PeriodOf(now.Add(48*time.Hour), pgstore.PartitionDaily)) {
 		t.Fatalf("partitions after the first round: %+v; want the days from now-3d to now+2d", parts)
 	}
-	claim := func(name string, at time.Time) {
-		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}})
-		if err != nil || !res.Claimed {
-			t.Fatalf("claim %s: %+v %v", name, res, err)
-		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
+	claim := func(name string, at time.Time) { mustCommit(t, s, plain(uuid7(name, at), "c")) }
 	claim("old", now.Add(-72*time.Hour))
 	claim("recent", now.Add(47*time.Hour)) // two days old four days from now
 	// Four days later, the partition of the old message ended more than 3 days ago.
@@ -493,11 +513,10 @@ func TestMigrateRefusesAnotherLayout(t *testing.T) {
 			t.Fatalf("Migrate %+v over a text table: %v", cfg, err)
 		}
 	}
-	tx, res, err := text.Claim(context.Background(), inbox.ClaimParams{Key: inbox.Key{MessageID: "order-1", ConsumerName: "c"}})
-	if err != nil || !res.Claimed {
-		t.Fatalf("the text table still claims text keys: %+v %v", res, err)
+	mustCommit(t, text, plain("order-1", "c")) // the text table still claims text keys
+	if n := claimRows(t, sch.Pool, text, "order-1"); n != 1 {
+		t.Fatalf("%d rows of order-1, want 1", n)
 	}
-	_ = tx.Commit(context.Background())
 }
 
 // TestLayoutMigrationSQL converts a text-layout table holding processed messages into each
@@ -516,12 +535,13 @@ func TestLayoutMigrationSQL(t *testing.T) {
 		to.Schema = sch.Name
 		ids := []string{uuid7("a", time.Now().Add(-50*time.Hour)), uuid7("b", time.Now()), uuid7("c", time.Now().Add(-2*time.Hour))}
 		hash := sha256.Sum256([]byte("payload"))
+		withHash := func(id string, h []byte) contract.Delivery {
+			d := plain(id, "billing")
+			d.PayloadHash, d.ProducerTime = h, time.Now()
+			return d
+		}
 		for _, id := range ids {
-			tx, _, err := text.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
-			if err != nil {
-				t.Fatal(err)
-			}
-			_ = tx.Commit(ctx)
+			mustCommit(t, text, withHash(id, hash[:]))
 		}
 		script, err := pgstore.LayoutMigrationSQL(pgstore.Config{Schema: sch.Name}, to)
 		if err != nil {
@@ -537,17 +557,13 @@ func TestLayoutMigrationSQL(t *testing.T) {
 		if _, err := s.Migrate(ctx); err != nil {
 			t.Fatalf("Migrate after the conversion: %v", err)
 		}
+		// Duplicates of the old messages are caught with their payload hashes: the same
+		// payload is a duplicate, another one a collision.
 		for _, id := range ids {
-			tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: hash[:]})
-			if err != nil || res.Claimed || tx != nil || !strings.HasPrefix(string(hash[:]), string(res.StoredPayloadHash)) || len(res.StoredPayloadHash) < pgstore.CompactHashBytes {
-				t.Fatalf("converted %+v: claim of an old message: %+v, %v; want a duplicate with its hash", to, res, err)
-			}
+			mustClaim(t, s, withHash(id, hash[:]), contract.Duplicate)
+			mustClaim(t, s, withHash(id, payloadHash("another payload")), contract.Collision)
 		}
-		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("new", time.Now()), ConsumerName: "billing"}})
-		if err != nil || !res.Claimed {
-			t.Fatalf("converted %+v: new claim: %+v %v", to, res, err)
-		}
-		_ = tx.Commit(ctx)
+		mustCommit(t, s, withHash(uuid7("new", time.Now()), hash[:]))
 		var n int
 		if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.Table()).Scan(&n); err != nil || n != 4 {
 			t.Fatalf("converted %+v: %d rows, err %v; want 4", to, n, err)
@@ -556,11 +572,7 @@ func TestLayoutMigrationSQL(t *testing.T) {
 	// A key the compact layout cannot hold: refused, nothing changed.
 	sch := testenv.NewSchema(t, 2)
 	text := sch.Store(t)
-	tx, _, err := text.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "order-7", ConsumerName: "billing"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = tx.Commit(ctx)
+	mustCommit(t, text, plain("order-7", "billing"))
 	script, err := pgstore.LayoutMigrationSQL(pgstore.Config{Schema: sch.Name}, pgstore.Config{Schema: sch.Name, Layout: pgstore.LayoutCompact})
 	if err != nil {
 		t.Fatal(err)
@@ -590,13 +602,13 @@ func TestPartitionMaintenanceDoesNotBlockClaims(t *testing.T) {
 	if _, err := s.EnsurePartitions(ctx, old, old); err != nil {
 		t.Fatal(err)
 	}
-	claim := func(name string, at time.Time) inbox.Tx {
+	claim := func(name string, at time.Time) contract.Tx {
 		t.Helper()
 		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		tx, res, err := s.Claim(cctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}})
-		if err != nil || !res.Claimed {
-			t.Fatalf("claim %s while maintenance runs: %+v %v", name, res, err)
+		tx, c, err := s.Claim(cctx, plain(uuid7(name, at), "c"))
+		if err != nil || c.Decision != contract.Run {
+			t.Fatalf("claim %s while maintenance runs: %+v %v", name, c, err)
 		}
 		return tx
 	}
@@ -673,17 +685,21 @@ func TestMigrationCompactRowV2(t *testing.T) {
 		}
 		for i, id := range ids {
 			h := hashOf(i)
-			tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: h[:]})
-			if err != nil || res.Claimed || tx != nil || string(res.StoredPayloadHash) != string(h[:pgstore.CompactHashBytes]) {
-				t.Fatalf("old message %d after 0003: %+v, %v; want a duplicate with hash %x", i, res, err, h[:pgstore.CompactHashBytes])
+			d := plain(id, "billing")
+			d.PayloadHash, d.ProducerTime = h[:], now
+			mustClaim(t, s, d, contract.Duplicate)
+			// The stored hash is the first 2 bytes of the old row's 4-byte prefix.
+			var stored int16
+			if err := sch.Pool.QueryRow(ctx, "SELECT payload_hash FROM "+s.Table()+" WHERE message_id = $1::uuid", id).Scan(&stored); err != nil ||
+				uint16(stored) != binary.BigEndian.Uint16(h[:pgstore.CompactHashBytes]) {
+				t.Fatalf("old message %d after 0003: stored hash %04x (%v), want %x", i, uint16(stored), err, h[:pgstore.CompactHashBytes])
 			}
 			other := hashOf(i + 1)
 			if string(other[:2]) == string(h[:2]) {
 				t.Fatalf("test payloads %d and %d share a 2-byte prefix: pick others", i, i+1)
 			}
-			if strings.HasPrefix(string(other[:]), string(res.StoredPayloadHash)) {
-				t.Fatalf("another payload under key %d would not be told apart", i)
-			}
+			d.PayloadHash = other[:]
+			mustClaim(t, s, d, contract.Collision) // another payload under key i is told apart
 		}
 		st, err := s.Stats(ctx)
 		if err != nil {
@@ -694,13 +710,9 @@ func TestMigrationCompactRowV2(t *testing.T) {
 			time.Since(*st.Newest) > 2*time.Minute {
 			t.Fatalf("stats after 0003: %d rows, oldest %v, newest %v; want 3, about 5 hours ago and now", st.Rows, st.Oldest, st.Newest)
 		}
-		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7("v2-new", now), ConsumerName: "billing"}})
-		if err != nil || !res.Claimed {
-			t.Fatalf("new claim after 0003: %+v %v", res, err)
-		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
+		newer := plain(uuid7("v2-new", now), "billing")
+		newer.ProducerTime = now
+		mustCommit(t, s, newer)
 		var recent bool
 		if err := sch.Pool.QueryRow(ctx, "SELECT abs(received_minute - floor(extract(epoch FROM now()) / 60)) <= 1 FROM "+s.Table()+" WHERE message_id = $1::uuid", uuid7("v2-new", now)).Scan(&recent); err != nil || !recent {
 			t.Fatalf("the new row's received_minute is not this minute (%v, %v)", recent, err)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -108,8 +109,8 @@ func purgeUnderClaims(b *testing.B, rows int, p pgstore.PurgeExpiredParams) {
 					case <-tick.C:
 					}
 					start := time.Now()
-					tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid.NewString(), ConsumerName: "billing"}})
-					if err != nil || !res.Claimed {
+					tx, res, err := s.Claim(ctx, plain(uuid.NewString(), "billing"))
+					if err != nil || res.Decision != contract.Run {
 						b.Errorf("claim: %+v, %v", res, err)
 						return
 					}

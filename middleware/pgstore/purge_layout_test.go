@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -40,13 +41,7 @@ func TestPurgeExpiredAndStatsOnEveryLayout(t *testing.T) {
 					t.Fatal(err)
 				}
 				consumer := []string{"billing", "ledger"}[i%2]
-				tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id.String(), ConsumerName: consumer}})
-				if err != nil || !res.Claimed {
-					t.Fatalf("claim %d: %+v, %v", i, res, err)
-				}
-				if err := tx.Commit(ctx); err != nil {
-					t.Fatal(err)
-				}
+				mustCommit(t, s, plain(id.String(), consumer))
 				if i < 20 {
 					old = append(old, id.String())
 				} else {
@@ -187,35 +182,21 @@ func TestBatchedInboxOnEveryLayout(t *testing.T) {
 	}
 }
 
-// TestHandlerRunsUnderItsOwnLockTimeout: the claim's short lock_timeout (ClaimLockTimeout) is
-// put back before the handler runs, so business statements wait on locks as configured:
-// the server's setting without LockTimeout, LockTimeout with it; on every claim path.
+// TestHandlerRunsUnderItsOwnLockTimeout: business statements wait on locks as configured: the
+// server's setting without LockTimeout, LockTimeout with it; on every claim path.
 func TestHandlerRunsUnderItsOwnLockTimeout(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		lock time.Duration
 		want string
 	}{{"server's setting", 0, "0"}, {"LockTimeout", 1500 * time.Millisecond, "1500ms"}} {
-		for _, counted := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/counted=%v", tc.name, counted), func(t *testing.T) {
-				s, sch := layoutStore(t, 2, pgstore.Config{LockTimeout: tc.lock, ClaimLockTimeout: pgstore.DefaultClaimLockTimeout})
+		for _, path := range claimPaths {
+			t.Run(fmt.Sprintf("%s/%s", tc.name, path.name), func(t *testing.T) {
+				s, sch := layoutStore(t, 2, pgstore.Config{LockTimeout: tc.lock})
 				ctx := context.Background()
-				var tx inbox.Tx
-				var err error
-				key := inbox.Key{MessageID: "m-1", ConsumerName: "billing"}
-				if counted {
-					var ct inbox.CountedTx
-					ct, _, err = s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: key}, CountFirst: true})
-					tx = ct
-				} else {
-					tx, _, err = s.Claim(ctx, inbox.ClaimParams{Key: key})
-				}
-				if err != nil {
-					t.Fatal(err)
-				}
-				ptx, _ := pgstore.PgxTx(tx)
+				tx, _ := mustClaim(t, s, path.delivery(plain("m-1", "billing")), contract.Run)
 				var got string
-				if err := ptx.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&got); err != nil {
+				if err := handlerTx(t, tx).QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&got); err != nil {
 					t.Fatal(err)
 				}
 				if got != tc.want {

@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -44,9 +44,11 @@ func (k layoutKeys) id(name string) string {
 	return uuid7(name, k.at)
 }
 
-// claim is the claim of name for consumer "c" (counting first).
-func (k layoutKeys) claim(name string) inbox.CountedClaimParams {
-	return inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: k.id(name), ConsumerName: "c"}, ProducerTime: k.at}, CountFirst: true}
+// claim is the delivery of name for consumer "c", counted first (MaxAttempts 3).
+func (k layoutKeys) claim(name string) contract.Delivery {
+	d := countedFirst(plain(k.id(name), "c"), true)
+	d.ProducerTime = k.at
+	return d
 }
 
 // layoutStoreWith returns a store of cfg with the settings of with on a table that layoutStore
@@ -63,53 +65,65 @@ func layoutStoreWith(t *testing.T, conns int32, cfg pgstore.Config, with func(*p
 	return s, sch
 }
 
-// TestBatchClaimLockTimeoutReleasesTheLocksItTook: a counted batch claim whose lock statement
-// fails part-way (LockTimeout, SQLSTATE 55P03, on the second key, held by a delivery in
-// flight) has already taken the first key's session lock, which a rollback does not release:
-// the connection must go back to the pool holding no advisory lock, and nothing is counted;
-// in every layout.
-func TestBatchClaimLockTimeoutReleasesTheLocksItTook(t *testing.T) {
+// TestBatchWithAHeldKeyTakesNoLockAway: a counted batch claim one of whose keys ("m-b") is
+// held by a delivery in flight decides that member RunAlone at once (the key's lock is tried,
+// never waited for), runs the other, and, once rolled back, leaves its connection holding no
+// advisory lock and no count of either key; in every layout.
+func TestBatchWithAHeldKeyTakesNoLockAway(t *testing.T) {
 	for _, l := range everyLayout {
 		t.Run(l.name, func(t *testing.T) {
 			s, sch := layoutStoreWith(t, 2, l.cfg, func(c *pgstore.Config) { c.LockTimeout = 150 * time.Millisecond })
 			k := newLayoutKeys(l.cfg)
 			ctx := context.Background()
-			// "m-b" is held: a counted delivery in flight holds its session lock.
-			held, _, err := s.ClaimCounted(ctx, k.claim("m-b"))
-			if err != nil || held == nil {
-				t.Fatalf("claim m-b: %v", err)
+			held, _ := mustClaim(t, s, k.claim("m-b"), contract.Run) // counted: 1 attempt of m-b
+			defer release(held)
+			ds := sortedByKey(k.claim("m-a"), k.claim("m-b"))
+			bt, cs, err := s.ClaimBatch(ctx, ds)
+			if err != nil {
+				t.Fatalf("batch claim: %v", err)
 			}
-			defer held.Rollback(ctx)
-			claims := []inbox.CountedClaimParams{k.claim("m-a"), k.claim("m-b")}
-			tx, _, err := s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: claims, Counted: true})
-			if err == nil {
-				_ = tx.Rollback(ctx)
-				t.Fatal("a batch claim behind a held key did not time out")
+			for i, d := range ds {
+				want := contract.Run
+				if d.Key.MessageID == k.id("m-b") {
+					want = contract.RunAlone
+				}
+				if cs[i].Decision != want {
+					t.Fatalf("member %d: %s, want %s", i, decisionName(cs[i].Decision), decisionName(want))
+				}
 			}
-			var pgErr *pgconn.PgError
-			if !errors.As(err, &pgErr) || pgErr.Code != pgstore.SQLStateLockNotAvailable {
-				t.Fatalf("batch claim: %v, want SQLSTATE 55P03", err)
+			if n, _ := attemptsRow(t, sch.Pool, s, k.claim("m-a").Key); n != 1 {
+				t.Fatalf("m-a counted %d times in the batch, want once", n)
 			}
-			// The pool's other connection is the one the batch used.
-			var locks int
-			if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").Scan(&locks); err != nil {
+			if err := bt.Rollback(ctx); err != nil {
 				t.Fatal(err)
 			}
-			if locks != 0 {
-				t.Fatalf("the failed batch claim's connection went back to the pool holding %d advisory locks", locks)
+			// The pool's other connection is the one the batch used.
+			if locks := advisoryLocks(t, sch.Pool); locks != 0 {
+				t.Fatalf("the batch's connection went back to the pool holding %d advisory locks", locks)
 			}
-			var rows int
-			if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM "+s.AttemptsTable()+" WHERE message_id = $1", k.id("m-a")).Scan(&rows); err != nil || rows != 0 {
-				t.Fatalf("attempt rows of m-a = %d (%v), want 0: the batch never claimed it", rows, err)
+			if n, ok := attemptsRow(t, sch.Pool, s, k.claim("m-a").Key); ok {
+				t.Fatalf("m-a has %d attempts after the rollback, want no record (taken back)", n)
+			}
+			if n, _ := attemptsRow(t, sch.Pool, s, k.claim("m-b").Key); n != 1 {
+				t.Fatalf("m-b has %d attempts, want the holder's 1 only", n)
+			}
+			if rows := claimRows(t, sch.Pool, s, k.id("m-a")); rows != 0 {
+				t.Fatalf("%d rows of m-a after the rollback", rows)
 			}
 		})
 	}
 }
 
-// TestCountedCommitClearsAndUnlocksInEveryLayout: a counted delivery that counted first, whose
-// key has an earlier failed attempt, commits: the clean-up statement that also releases the
-// key's session lock (its $3 the period when partitioned) deletes the attempt record and the
-// connection goes back to the pool holding no advisory lock, in every layout.
+// sortedByKey returns ds sorted by message ID, as the inbox hands a batch to the store.
+func sortedByKey(ds ...contract.Delivery) []contract.Delivery {
+	slices.SortFunc(ds, func(a, b contract.Delivery) int { return strings.Compare(a.Key.MessageID, b.Key.MessageID) })
+	return ds
+}
+
+// TestCountedCommitClearsAndUnlocksInEveryLayout: a delivery that counted first, whose key has
+// an earlier failed attempt, commits: the clean-up statement after COMMIT (its period
+// parameter when partitioned) deletes the attempt record and the connection goes back to the
+// pool holding no advisory lock, in every layout.
 func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
 	at := time.Now().UTC()
 	for name, cfg := range map[string]pgstore.Config{
@@ -121,17 +135,17 @@ func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			s, sch := layoutStore(t, 1, cfg)
 			ctx := context.Background()
-			p := inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: uuid7(name, at), ConsumerName: "c"}, PayloadHash: make([]byte, 32), ProducerTime: at}, CountFirst: true}
-			tx, res, err := s.ClaimCounted(ctx, p)
-			if err != nil || !res.Claimed {
-				t.Fatalf("first claim: %v %+v", err, res)
+			p := countedFirst(contract.Delivery{Key: contract.Key{MessageID: uuid7(name, at), ConsumerName: "c"}, PayloadHash: make([]byte, 32), ProducerTime: at}, true)
+			tx, _ := mustClaim(t, s, p, contract.Run)
+			if n, err := tx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil || n != 1 {
+				t.Fatalf("fail: %d %v, want 1 attempt", n, err)
 			}
-			if _, err := tx.Fail(ctx, inbox.FailParams{Error: "boom"}); err != nil {
-				t.Fatal(err)
+			tx, c := mustClaim(t, s, p, contract.Run)
+			if c.Attempts != 1 || c.LastError != "boom" {
+				t.Fatalf("second claim: %+v, want 1 earlier attempt and its error", c)
 			}
-			tx, res, err = s.ClaimCounted(ctx, p)
-			if err != nil || !res.Claimed || res.Record.Attempts != 2 {
-				t.Fatalf("second claim: %v %+v, want claimed with 2 attempts", err, res)
+			if n, _ := attemptsRow(t, sch.Pool, s, p.Key); n != 2 {
+				t.Fatalf("%d attempts while the second delivery runs, want 2 (counted first)", n)
 			}
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatal(err)
@@ -149,72 +163,62 @@ func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
 }
 
 // TestBatchClaimBehindAClaimInFlightHoldsNoConnection: a batch claim one of whose keys is
-// claimed by an uncommitted transaction gives its connection back while it waits (the
-// default's tried key locks, or a positive ClaimLockTimeout, as a single claim does), then,
-// once the first commits, claims the other key and finds the duplicate; counted and
+// claimed by an uncommitted transaction does not wait for it (the key's lock is tried): that
+// member is decided RunAlone (the inbox claims it alone, where the claim waits in process)
+// and the others run; once the first commits, the key alone is a duplicate; counted and
 // uncounted, in every layout.
 func TestBatchClaimBehindAClaimInFlightHoldsNoConnection(t *testing.T) {
-	for _, mode := range []struct {
-		name    string
-		timeout time.Duration
-	}{{"tried-lock", 0}, {"lock-timeout", pgstore.DefaultClaimLockTimeout}} {
-		for _, counted := range []bool{true, false} {
-			for _, l := range everyLayout {
-				t.Run(fmt.Sprintf("%s/counted=%v/%s", mode.name, counted, l.name), func(t *testing.T) {
-					testBatchBehindAClaimInFlight(t, l.cfg, mode.timeout, counted)
-				})
-			}
+	for _, counted := range []bool{true, false} {
+		for _, l := range everyLayout {
+			t.Run(fmt.Sprintf("counted=%v/%s", counted, l.name), func(t *testing.T) {
+				testBatchBehindAClaimInFlight(t, l.cfg, counted)
+			})
 		}
 	}
 }
 
-func testBatchBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, claimLockTimeout time.Duration, counted bool) {
-	s, sch := layoutStoreWith(t, 2, cfg, func(c *pgstore.Config) { c.ClaimLockTimeout = claimLockTimeout })
+func testBatchBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, counted bool) {
+	s, sch := layoutStore(t, 2, cfg)
 	k := newLayoutKeys(cfg)
 	ctx := context.Background()
-	first, res, err := s.Claim(ctx, k.claim("m-b").ClaimParams)
-	if err != nil || !res.Claimed {
-		t.Fatalf("first claim: %v %+v", err, res)
-	}
-	type result struct {
-		res []inbox.CountedClaimResult
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		claims := []inbox.CountedClaimParams{k.claim("m-a"), k.claim("m-b")}
-		cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-		defer cancel()
-		tx, r, err := s.ClaimBatch(cctx, inbox.BatchClaimParams{Claims: claims, Counted: counted})
-		if err == nil {
-			err = tx.Commit(ctx)
+	form := func(name string) contract.Delivery {
+		d := k.claim(name)
+		if !counted {
+			d.MaxAttempts, d.CountFirst = 0, false
 		}
-		done <- result{r, err}
-	}()
-	free := freeConnectionProbes(sch.Pool)
-	select {
-	case r := <-done:
-		t.Fatalf("the batch claim returned while a key was in flight: %v %+v; want it to wait", r.err, r.res)
-	default:
+		return d
+	}
+	first, _ := mustClaim(t, s, form("m-b"), contract.Run)
+	ds := sortedByKey(form("m-a"), form("m-b"))
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	start := time.Now()
+	bt, cs, err := s.ClaimBatch(cctx, ds)
+	cancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Fatalf("the batch claim took %s behind a key in flight; want it decided at once", d)
+	}
+	for i, d := range ds {
+		want := contract.Run
+		if d.Key.MessageID == k.id("m-b") {
+			want = contract.RunAlone
+		}
+		if cs[i].Decision != want {
+			t.Fatalf("member %d: %s, want %s", i, decisionName(cs[i].Decision), decisionName(want))
+		}
+	}
+	if err := bt.Commit(ctx); err != nil {
+		t.Fatal(err)
 	}
 	if err := first.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	var r result
-	select {
-	case r = <-done:
-	case <-time.After(25 * time.Second):
-		t.Fatal("the batch claim did not return after the first committed")
-	}
-	if free < 10 {
-		t.Fatalf("the waiting batch claim held its connection: the pool's second connection was free %d times of 20", free)
-	}
-	if r.err != nil || len(r.res) != 2 || !r.res[0].Claimed || r.res[1].Claimed {
-		t.Fatalf("batch claim after the first committed: %v %+v, want m-a claimed and m-b a duplicate", r.err, r.res)
-	}
+	mustClaim(t, s, form("m-b"), contract.Duplicate)
 	rows, records := rowsAndRecords(t, sch.Pool, s)
 	if rows != 2 || records != 0 {
-		t.Fatalf("%d processed rows, %d attempt records; want 2, 0 (a wait is not an attempt)", rows, records)
+		t.Fatalf("%d processed rows, %d attempt records; want 2, 0", rows, records)
 	}
 }
 
@@ -225,7 +229,7 @@ func testBatchBehindAClaimInFlight(t *testing.T, cfg pgstore.Config, claimLockTi
 func TestBatchClaimWaitingForAConnectionSaysSo(t *testing.T) {
 	for _, l := range everyLayout {
 		t.Run(l.name, func(t *testing.T) {
-			s, sch := layoutStoreWith(t, 1, l.cfg, func(c *pgstore.Config) { c.ClaimLockTimeout = pgstore.DefaultClaimLockTimeout })
+			s, sch := layoutStore(t, 1, l.cfg)
 			k := newLayoutKeys(l.cfg)
 			conn, err := sch.Pool.Acquire(context.Background())
 			if err != nil {
@@ -233,8 +237,7 @@ func TestBatchClaimWaitingForAConnectionSaysSo(t *testing.T) {
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 			defer cancel()
-			claims := []inbox.CountedClaimParams{k.claim("m-a"), k.claim("m-b")}
-			_, _, err = s.ClaimBatch(ctx, inbox.BatchClaimParams{Claims: claims, Counted: true})
+			_, _, err = s.ClaimBatch(ctx, sortedByKey(k.claim("m-a"), k.claim("m-b")))
 			conn.Release()
 			if !errors.Is(err, pgstore.ErrWaitingForConnection) || !errors.Is(err, context.DeadlineExceeded) {
 				t.Fatalf("batch claim with the pool exhausted: %v, want ErrWaitingForConnection and the deadline", err)

@@ -107,7 +107,7 @@ func TestStatementsPerDelivery(t *testing.T) {
 	sch := testenv.NewSchema(t, 1)
 	sch.CreateAccounts(t, 1)
 	pool, wc := countingPool(t, sch, 2)
-	store, err := pgstore.New(pool, pgstore.Config{}) // ClaimLockTimeout on: the default
+	store, err := pgstore.New(pool, pgstore.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,35 +171,31 @@ func TestStatementsPerDelivery(t *testing.T) {
 	nosignal := measure(viaInbox(inbox.Config{ConsumerName: "nosignal", DeadLetterPublisher: dlq, DeadLetterTopic: "dead"}))
 	t.Logf("per delivery: bare %+v; inbox %+v; dead letters with a first-delivery signal %+v; without %+v", bare, plain, signal, nosignal)
 
-	// ClaimLockTimeout (on by default: a claim behind a delivery in flight gives its
-	// connection back) costs no statement: the short lock_timeout is set, and the
-	// transaction's own restored, inside the claim statement (and inside the count's lock
-	// statement).
-	const lockTimeoutStatements = 0
-	// The plain inbox adds the claim, in BEGIN's round trip; with a first-delivery signal
-	// the dead-letter path costs the same: a first delivery is claimed without reading the
-	// key's attempt record (CountedClaimParams.NoRecord; its failure is recorded after the
-	// fact), and the key's lock is taken by the claim statement itself.
+	// The plain inbox adds the claim, in BEGIN's round trip (the key's advisory lock is tried
+	// inside the claim statement). With a dead-letter topic and a first-delivery signal, a
+	// first delivery adds the read of the key's attempt record to that round trip too, and
+	// nothing else (its failure would be counted when recorded).
 	for _, c := range []struct {
 		name       string
 		got        cost
 		statements float64
 	}{
-		{"inbox", plain, bare.statements + 1 + lockTimeoutStatements},
-		{"dead letters, first-delivery signal", signal, bare.statements + 1 + lockTimeoutStatements},
+		{"inbox", plain, bare.statements + 1},
+		{"dead letters, first-delivery signal", signal, bare.statements + 2},
 	} {
 		if c.got.statements != c.statements || c.got.roundTrips != bare.roundTrips {
 			t.Errorf("%s: %+v per delivery, want %v statements and %v round trips", c.name, c.got, c.statements, bare.roundTrips)
 		}
 	}
-	// Without a signal: BEGIN, the key's session lock (with synchronous_commit off), the count,
-	// COMMIT and the claim transaction's BEGIN, claim and record read in the first round
-	// trip; the clean-up, which releases the lock too, with COMMIT (10 statements with the UPDATE).
-	if nosignal.roundTrips != bare.roundTrips || nosignal.statements != bare.statements+7+lockTimeoutStatements {
-		t.Errorf("dead letters, no signal: %+v per delivery, want %v round trips and %v statements", nosignal, bare.roundTrips, bare.statements+7+lockTimeoutStatements)
+	// Without a signal every delivery counts first: the claim and the record read in BEGIN's
+	// round trip, then the count (queries/count.sql, one statement and one round trip on the
+	// count connection, shared by the deliveries asking at the same moment: here, one at a
+	// time), and the clean-up of the attempt record in COMMIT's round trip.
+	if nosignal.roundTrips != bare.roundTrips+1 || nosignal.statements != bare.statements+4 {
+		t.Errorf("dead letters, no signal: %+v per delivery, want %v round trips and %v statements", nosignal, bare.roundTrips+1, bare.statements+4)
 	}
 
-	// No advisory lock outlives its delivery (the unlock travels in the clean-up statement).
+	// No advisory lock outlives its delivery (the key's lock is the transaction's).
 	for _, c := range pool.AcquireAllIdle(context.Background()) {
 		var held int
 		err := c.QueryRow(context.Background(), "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").Scan(&held)

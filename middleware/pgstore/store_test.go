@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/url"
 	"strings"
 	"sync"
@@ -10,12 +11,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 )
 
 func newStore(t *testing.T, conns int32) (*pgstore.Store, *testenv.Schema) {
@@ -24,10 +25,72 @@ func newStore(t *testing.T, conns int32) (*pgstore.Store, *testenv.Schema) {
 	return sch.Store(t), sch
 }
 
+// readRecord is the conformance suite's Record: the key's row in the attempts table of s (a
+// *pgstore.Store, or a uuidKeys over one, whose keys it maps, under a tracked).
+func readRecord(t *testing.T, s contract.Store, k contract.Key) (int, bool) {
+	t.Helper()
+	if tr, ok := s.(*tracked); ok {
+		s = tr.Store
+	}
+	switch v := s.(type) {
+	case *pgstore.Store:
+		return attemptsRow(t, v.Pool(), v, k)
+	case uuidKeys:
+		return attemptsRow(t, v.Store.Pool(), v.Store, v.key(k))
+	}
+	t.Fatalf("readRecord: a %T", s)
+	return 0, false
+}
+
+// tracked is a store under the conformance suite that ends, when the test ends, every
+// transaction the suite left open (some cases end with a claim decided Run and go no
+// further): each holds a pool connection, which the schema's pool would wait for when it
+// closes.
+type tracked struct {
+	contract.Store
+	mu   sync.Mutex
+	open []func()
+}
+
+func track(t *testing.T, s contract.Store) *tracked {
+	tr := &tracked{Store: s}
+	t.Cleanup(func() { // before the pool closes (cleanups run last first)
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		for _, end := range tr.open {
+			end()
+		}
+	})
+	return tr
+}
+
+func (tr *tracked) Claim(ctx context.Context, d contract.Delivery) (contract.Tx, contract.Claim, error) {
+	tx, c, err := tr.Store.Claim(ctx, d)
+	if tx != nil {
+		tr.mu.Lock()
+		tr.open = append(tr.open, func() { release(tx) })
+		tr.mu.Unlock()
+	}
+	return tx, c, err
+}
+
+func (tr *tracked) ClaimBatch(ctx context.Context, ds []contract.Delivery) (contract.BatchTx, []contract.Claim, error) {
+	bt, cs, err := tr.Store.ClaimBatch(ctx, ds)
+	if bt != nil {
+		tr.mu.Lock()
+		tr.open = append(tr.open, func() { _ = bt.Rollback(context.Background()) })
+		tr.mu.Unlock()
+	}
+	return bt, cs, err
+}
+
 func TestConformance(t *testing.T) {
-	storetest.Run(t, func(t *testing.T) inbox.Store {
-		s, _ := newStore(t, 6)
-		return s
+	storetest.Run(t, storetest.Harness{
+		New: func(t *testing.T) contract.Store {
+			s, _ := newStore(t, 6)
+			return track(t, s)
+		},
+		Record: readRecord,
 	})
 }
 
@@ -140,26 +203,16 @@ func TestClaimStoresMetadata(t *testing.T) {
 	s, sch := newStore(t, 2)
 	ctx := context.Background()
 	hash := []byte("0123456789abcdef0123456789abcdef")
-	tx, claimed, err := s.Claim(ctx, inbox.ClaimParams{
-		Key: inbox.Key{MessageID: "m-meta", ConsumerName: "billing"}, MessageType: "PaymentReceived", CorrelationID: "corr-9", PayloadHash: hash,
-	})
-	if err != nil || !claimed.Claimed {
-		t.Fatalf("claim: claimed=%v err=%v", claimed, err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	tx2, _, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "m-bare", ConsumerName: "billing"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := tx2.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	d := plain("m-meta", "billing")
+	d.MessageType, d.CorrelationID, d.PayloadHash = "PaymentReceived", "corr-9", hash
+	mustCommit(t, s, d)
+	bare := plain("m-bare", "billing")
+	bare.PayloadHash = nil
+	mustCommit(t, s, bare)
 	var typ, corr *string
 	var gotHash []byte
 	var age time.Duration
-	err = sch.Pool.QueryRow(ctx, `SELECT message_type, correlation_id, payload_hash, now() - received_at
+	err := sch.Pool.QueryRow(ctx, `SELECT message_type, correlation_id, payload_hash, now() - received_at
 		FROM inbox_processed_messages WHERE message_id = 'm-meta' AND consumer_name = 'billing'`).Scan(&typ, &corr, &gotHash, &age)
 	if err != nil {
 		t.Fatal(err)
@@ -167,9 +220,9 @@ func TestClaimStoresMetadata(t *testing.T) {
 	if typ == nil || *typ != "PaymentReceived" || corr == nil || *corr != "corr-9" || string(gotHash) != string(hash) || age < 0 || age > time.Minute {
 		t.Fatalf("row = (%v, %v, %x, age %v)", typ, corr, gotHash, age)
 	}
-	err = sch.Pool.QueryRow(ctx, `SELECT message_type, correlation_id FROM inbox_processed_messages WHERE message_id = 'm-bare'`).Scan(&typ, &corr)
-	if err != nil || typ != nil || corr != nil {
-		t.Fatalf("empty metadata must be stored as NULL: type=%v corr=%v err=%v", typ, corr, err)
+	err = sch.Pool.QueryRow(ctx, `SELECT message_type, correlation_id, payload_hash FROM inbox_processed_messages WHERE message_id = 'm-bare'`).Scan(&typ, &corr, &gotHash)
+	if err != nil || typ != nil || corr != nil || gotHash != nil {
+		t.Fatalf("empty metadata must be stored as NULL: type=%v corr=%v hash=%x err=%v", typ, corr, gotHash, err)
 	}
 }
 
@@ -182,113 +235,112 @@ func TestTxFromContextIsTheClaimTransaction(t *testing.T) {
 	if _, err := sch.Pool.Exec(ctx, "CREATE TABLE effects (id text PRIMARY KEY)"); err != nil {
 		t.Fatal(err)
 	}
-	tx, _, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: "m-tx", ConsumerName: "c"}})
-	if err != nil {
+	tx, _ := mustClaim(t, s, plain("m-tx", "c"), contract.Run)
+	if _, err := handlerTx(t, tx).Exec(ctx, "INSERT INTO effects VALUES ('m-tx')"); err != nil {
 		t.Fatal(err)
 	}
-	ptx, ok := pgstore.TxFromContext(tx.Context(ctx))
-	if !ok {
-		t.Fatal("TxFromContext found no transaction in the claim's context")
-	}
-	if _, err := ptx.Exec(ctx, "INSERT INTO effects VALUES ('m-tx')"); err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Rollback(ctx); err != nil {
+	if _, err := tx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil {
 		t.Fatal(err)
 	}
 	var effects, claims int
 	_ = sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM inbox_processed_messages)").Scan(&effects, &claims)
 	if effects != 0 || claims != 0 {
-		t.Fatalf("after rollback: effects=%d claims=%d, want 0 and 0 (business write and claim share one transaction)", effects, claims)
+		t.Fatalf("after Fail: effects=%d claims=%d, want 0 and 0 (business write and claim share one transaction)", effects, claims)
+	}
+	tx, _ = mustClaim(t, s, plain("m-tx", "c"), contract.Run)
+	if _, err := handlerTx(t, tx).Exec(ctx, "INSERT INTO effects VALUES ('m-tx')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_ = sch.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM inbox_processed_messages)").Scan(&effects, &claims)
+	if effects != 1 || claims != 1 {
+		t.Fatalf("after Commit: effects=%d claims=%d, want 1 and 1", effects, claims)
 	}
 }
 
-// TestLockTimeoutEndsTheWait: with the claim waiting on the server (ClaimLockTimeout
-// negative), Config.LockTimeout bounds a concurrent duplicate's wait behind an uncommitted
-// claim (SQLSTATE 55P03), for plain and counted claims alike, and the expired wait is not
-// Retryable (an in-process retry would hold the connection again). With the default tried
-// lock and LockTimeout set, the claim does not wait on the server: it waits in process, and
-// LockTimeout ends that wait too (ErrClaimInFlight). Either way nothing is counted.
+// TestLockTimeoutEndsTheWait: a claim never waits on the server for its key; it waits in
+// process, and Config.LockTimeout bounds that wait as it bounds a lock wait on the server: a
+// concurrent copy behind an uncommitted claim fails with ErrClaimInFlight past LockTimeout,
+// before its context's deadline, plain and counted (first or not) alike, and the error is not
+// Retryable (an in-process retry would hold the connection again). Nothing is counted.
 func TestLockTimeoutEndsTheWait(t *testing.T) {
-	for _, mode := range []struct {
-		name  string
-		claim time.Duration
-	}{{"server-wait", -1}, {"tried-lock", 0}} {
-		t.Run(mode.name, func(t *testing.T) {
-			sch := testenv.NewSchema(t, 4)
-			sch.Store(t) // migrated
-			s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, LockTimeout: 150 * time.Millisecond, ClaimLockTimeout: mode.claim})
-			if err != nil {
-				t.Fatal(err)
-			}
-			p := inbox.ClaimParams{Key: inbox.Key{MessageID: "m-slow", ConsumerName: "c"}}
-			first, res, err := s.Claim(context.Background(), p)
-			if err != nil || !res.Claimed {
-				t.Fatalf("first claim: %v %+v", err, res)
-			}
-			defer first.Rollback(context.Background())
-			for _, countFirst := range []bool{false, true} {
-				start := time.Now()
-				ctx, cancel := context.WithTimeout(context.Background(), 400*time.Millisecond)
-				tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: p, CountFirst: countFirst})
-				cancel()
-				if err == nil {
-					_ = tx.Rollback(context.Background())
-					t.Fatal("a claim behind an uncommitted claim did not time out")
-				}
-				var pgErr *pgconn.PgError
-				if mode.claim < 0 {
-					if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
-						t.Fatalf("error = %v, want SQLSTATE 55P03", err)
-					}
-				} else if !errors.Is(err, pgstore.ErrClaimInFlight) || errors.Is(err, context.DeadlineExceeded) {
-					t.Fatalf("error = %v, want ErrClaimInFlight past LockTimeout, before the context's deadline", err)
-				}
-				if waited := time.Since(start); waited > 5*time.Second {
-					t.Fatalf("the lock wait took %v with a 150ms lock timeout", waited)
-				}
-				if s.Retryable(err) {
-					t.Fatalf("lock timeout reported as Retryable: %v", err)
-				}
-			}
-			var rows int
-			if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&rows); err != nil || rows != 0 {
-				t.Fatalf("attempt rows after timed-out counted claims = %d (%v), want 0: a claim that never happened takes its count back", rows, err)
-			}
-		})
+	sch := testenv.NewSchema(t, 4)
+	sch.Store(t) // migrated
+	s, err := pgstore.New(sch.Pool, pgstore.Config{Schema: sch.Name, LockTimeout: 150 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := plain("m-slow", "c")
+	first, _ := mustClaim(t, s, d, contract.Run)
+	defer release(first)
+	for _, c := range []contract.Delivery{d, countedFirst(d, false), countedFirst(d, true)} {
+		start := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		tx, _, err := s.Claim(ctx, c)
+		cancel()
+		if err == nil {
+			release(tx)
+			t.Fatal("a claim behind an uncommitted claim did not time out")
+		}
+		if !errors.Is(err, pgstore.ErrClaimInFlight) || errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "LockTimeout") {
+			t.Fatalf("error = %v, want ErrClaimInFlight past LockTimeout, before the context's deadline", err)
+		}
+		if waited := time.Since(start); waited > 2*time.Second {
+			t.Fatalf("the wait took %v with a 150ms lock timeout", waited)
+		}
+		if cl := s.Classify(err); cl != contract.Other {
+			t.Fatalf("lock timeout classified %d, want Other: %v", cl, err)
+		}
+	}
+	var rows int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.AttemptsTable()).Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("attempt rows after timed-out counted claims = %d (%v), want 0: a claim that never happened counts nothing", rows, err)
+	}
+	if n := claimRows(t, sch.Pool, s, "m-slow"); n != 0 {
+		t.Fatalf("%d inbox rows of the uncommitted key, want 0", n)
 	}
 }
 
-// TestAdvisoryLockReleasedWithTheConnection: a counted claim's key lock is released when its
-// transaction ends, so the connection goes back to the pool holding no lock.
+// TestAdvisoryLockReleasedWithTheConnection: a claim's key lock (counted first or not) is
+// released when its transaction ends (commit, a failure that counts or not), so the
+// connection goes back to the pool holding no lock; the rows say how each ended.
 func TestAdvisoryLockReleasedWithTheConnection(t *testing.T) {
 	sch := testenv.NewSchema(t, 1)
 	s := sch.Store(t)
 	ctx := context.Background()
-	for _, end := range []string{"commit", "rollback", "fail"} {
-		id := "m-lock-" + end
-		tx, _, err := s.ClaimCounted(ctx, inbox.CountedClaimParams{ClaimParams: inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "c"}}, CountFirst: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		switch end {
-		case "commit":
-			err = tx.Commit(ctx)
-		case "rollback":
-			err = tx.Rollback(ctx)
-		default:
-			_, err = tx.Fail(ctx, inbox.FailParams{Error: "boom"})
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		var locks int
-		// The pool has one connection: this query runs on the connection the claim used.
-		if err := sch.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").Scan(&locks); err != nil {
-			t.Fatal(err)
-		}
-		if locks != 0 {
-			t.Fatalf("after %s the connection still holds %d advisory locks", end, locks)
+	for _, first := range []bool{false, true} {
+		for _, end := range []string{"commit", "fail", "fail-counts"} {
+			id := fmt.Sprintf("m-lock-%s-%v", end, first)
+			d := countedFirst(plain(id, "c"), first)
+			tx, _ := mustClaim(t, s, d, contract.Run)
+			var err error
+			switch end {
+			case "commit":
+				err = tx.Commit(ctx)
+			case "fail":
+				_, err = tx.Fail(ctx, contract.Failure{})
+			default:
+				_, err = tx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The pool has one connection: this query runs on the connection the claim used.
+			if locks := advisoryLocks(t, sch.Pool); locks != 0 {
+				t.Fatalf("after %s the connection still holds %d advisory locks", end, locks)
+			}
+			rows := claimRows(t, sch.Pool, s, id)
+			n, ok := attemptsRow(t, sch.Pool, s, d.Key)
+			switch {
+			case end == "commit" && (rows != 1 || ok):
+				t.Fatalf("%s: %d rows, attempt record %v (%d); want the row and no record", id, rows, ok, n)
+			case end == "fail" && (rows != 0 || ok):
+				t.Fatalf("%s: %d rows, attempt record %v (%d); want neither", id, rows, ok, n)
+			case end == "fail-counts" && (rows != 0 || !ok || n != 1):
+				t.Fatalf("%s: %d rows, attempt record %v (%d); want no row and 1 attempt", id, rows, ok, n)
+			}
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -14,7 +15,7 @@ import (
 // TestUUIDv7TimeOfKey: ProducerTimeFromKey reads keys with inbox.UUIDv7Time, restricted to
 // canonical lowercase (the form LayoutMigrationSQL's pattern converts): a lowercase UUIDv7
 // gives the same instant (in UTC) and its period; upper or mixed case, other versions, other
-// variants and malformed keys are refused, and CheckClaim reports ErrKeyNotUUIDv7 wrapping
+// variants and malformed keys are refused, and Check reports ErrKeyNotUUIDv7 wrapping
 // inbox.ErrInvalidKey for them.
 func TestUUIDv7TimeOfKey(t *testing.T) {
 	s, err := pgstore.New(&pgxpool.Pool{}, pgstore.Config{Partitioning: &pgstore.Partitioning{
@@ -40,16 +41,16 @@ func TestUUIDv7TimeOfKey(t *testing.T) {
 		{"message name", "payment-1", time.Time{}},
 	} {
 		got, ok := pgstore.UUIDv7Time(c.id)
-		inboxTime, inboxOK := inbox.UUIDv7Time(c.id)
-		err := s.CheckClaim(inbox.ClaimParams{Key: inbox.Key{MessageID: c.id, ConsumerName: "c"}})
+		inboxTime, inboxOK := keyrule.UUIDv7Time(c.id)
+		err := s.Check(plain(c.id, "c"))
 		if c.want.IsZero() {
 			if ok || !got.IsZero() || !errors.Is(err, pgstore.ErrKeyNotUUIDv7) || !errors.Is(err, inbox.ErrInvalidKey) {
-				t.Errorf("%s: %q read as %v, %v (CheckClaim: %v); want refused", c.name, c.id, got, ok, err)
+				t.Errorf("%s: %q read as %v, %v (Check: %v); want refused", c.name, c.id, got, ok, err)
 			}
 			continue
 		}
 		if !ok || !got.Equal(c.want) || got.Location() != time.UTC || err != nil {
-			t.Errorf("%s: %q read as %v, %v (CheckClaim: %v); want %v UTC", c.name, c.id, got, ok, err, c.want)
+			t.Errorf("%s: %q read as %v, %v (Check: %v); want %v UTC", c.name, c.id, got, ok, err, c.want)
 		}
 		if !inboxOK || !inboxTime.Equal(got) {
 			t.Errorf("%s: inbox.UUIDv7Time gives %v, %v; pgstore %v", c.name, inboxTime, inboxOK, got)
