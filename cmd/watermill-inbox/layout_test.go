@@ -9,8 +9,8 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -28,8 +28,8 @@ func textTable(t *testing.T, sch *testenv.Schema, ids ...string) *pgstore.Store 
 	}
 	for _, id := range ids {
 		h := sha256.Sum256([]byte(id))
-		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: h[:]})
-		if err != nil || !res.Claimed {
+		tx, res, err := s.Claim(ctx, contract.Delivery{Key: contract.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: h[:]})
+		if err != nil || res.Decision != contract.Run {
 			t.Fatalf("claim %s: %+v %v", id, res, err)
 		}
 		if err := tx.Commit(ctx); err != nil {
@@ -106,13 +106,21 @@ func TestLayoutConvert(t *testing.T) {
 	}
 	for _, id := range ids {
 		h := sha256.Sum256([]byte(id))
-		tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: h[:]})
-		if err != nil || res.Claimed || tx != nil || string(res.StoredPayloadHash) != string(h[:pgstore.CompactHashBytes]) {
-			t.Fatalf("old message %s after the conversion: %+v %v; want a duplicate with its hash prefix", id, res, err)
+		tx, res, err := s.Claim(ctx, contract.Delivery{Key: contract.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: h[:]})
+		if err != nil || res.Decision != contract.Duplicate || tx != nil {
+			t.Fatalf("old message %s after the conversion: %+v %v; want a duplicate", id, res, err)
+		}
+		// The hash prefix kept tells another payload apart.
+		other := sha256.Sum256([]byte("another " + id))
+		if string(other[:2]) != string(h[:2]) {
+			tx, res, err := s.Claim(ctx, contract.Delivery{Key: contract.Key{MessageID: id, ConsumerName: "billing"}, PayloadHash: other[:]})
+			if err != nil || res.Decision != contract.Collision || tx != nil {
+				t.Fatalf("old message %s with another payload after the conversion: %+v %v; want a collision", id, res, err)
+			}
 		}
 	}
-	tx, res, err := s.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid.NewString(), ConsumerName: "billing"}})
-	if err != nil || !res.Claimed {
+	tx, res, err := s.Claim(ctx, contract.Delivery{Key: contract.Key{MessageID: uuid.NewString(), ConsumerName: "billing"}})
+	if err != nil || res.Decision != contract.Run {
 		t.Fatalf("new claim after the conversion: %+v %v", res, err)
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -99,9 +99,20 @@ var Tables = map[string]map[string]string{
 	"amqp": AMQP, "kafka": Kafka, "sqs": SQS, "nats": NATS, "redis": Redis, "postgres": Postgres,
 }
 
-// Lookup reports whether field (compared case-insensitively) is in any broker's table, with
-// the broker's name and the reason.
+// Neutral is the core's own list: broker-neutral names of delivery state, refused as keys and
+// removed from dead letters whatever the broker.
+var Neutral = map[string]string{
+	"redelivered":    "a redelivered flag describes one delivery and changes on redelivery",
+	"delivery_count": "a delivery count changes on every redelivery",
+	"delivery_id":    "a delivery ID names one delivery, not the message",
+}
+
+// Lookup reports whether field (compared case-insensitively) is in Neutral or in any broker's
+// table, with the broker's name ("any broker" for Neutral) and the reason.
 func Lookup(field string) (broker, reason string, ok bool) {
+	if why, ok := Neutral[strings.ToLower(field)]; ok {
+		return "any broker", why, true
+	}
 	for _, b := range []string{"amqp", "kafka", "sqs", "nats", "redis", "postgres"} {
 		for name, why := range Tables[b] {
 			if strings.EqualFold(name, field) {
@@ -117,6 +128,25 @@ func IsDelivered(field string) bool {
 	for _, name := range Delivered {
 		if strings.EqualFold(name, field) {
 			return true
+		}
+	}
+	return false
+}
+
+// IsDeliveryState reports whether field is delivery state to remove from a dead letter: a
+// Neutral name, a field an adapter of this module writes into metadata on delivery
+// (Delivered), or a field of one of the extra maps (an adapter's BrokerSideFields, a custom
+// subscriber's). Names a broker merely reserves (Kafka's "key" or "timestamp") are not
+// removed unless a map names them.
+func IsDeliveryState(field string, extra ...map[string]string) bool {
+	if _, ok := Neutral[strings.ToLower(field)]; ok || IsDelivered(field) {
+		return true
+	}
+	for _, fields := range extra {
+		for name := range fields {
+			if strings.EqualFold(name, field) {
+				return true
+			}
 		}
 	}
 	return false

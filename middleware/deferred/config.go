@@ -5,11 +5,11 @@ import (
 	"os"
 	"strings"
 	"time"
-	"unicode"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/internal/ident"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
@@ -278,7 +278,7 @@ func (c *Config) setDefaults() {
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for a missing pool, an invalid
-// schema or table name, a consumer name inbox.New refuses (see validateConsumerName), a
+// schema or table name, a consumer name inbox.New refuses (inbox.ValidateConsumerName), a
 // negative or too small duration, a batch size, worker count or byte budget below 1, an unknown
 // ordering or policy, OrderProducerSequence without SequenceField, a dead-letter publisher
 // without a topic (or the reverse), messages to publish without a topic, a SequenceField that
@@ -310,26 +310,7 @@ func (c Config) validateNames() error {
 	if err := ident.Validate("deferred: table name", c.Table, 40); err != nil {
 		return err
 	}
-	return validateConsumerName(c.ConsumerName)
-}
-
-// validateConsumerName applies inbox.New's consumer-name rule: not blank, at most
-// inbox.MaxConsumerNameBytes bytes, what inbox.ValidateKey accepts (valid UTF-8 without NUL),
-// and no control character (a newline or an escape sequence would be printed as it is in logs,
-// metric labels and the CLI). The package inbox keeps the rule unexported; this is its
-// composition from the exported parts.
-func validateConsumerName(name string) error {
-	switch {
-	case strings.TrimSpace(name) == "":
-		return fmt.Errorf("%w: deferred: ConsumerName is required", inbox.ErrInvalidConfig)
-	case len(name) > inbox.MaxConsumerNameBytes:
-		return fmt.Errorf("%w: deferred: ConsumerName is %d bytes, limit %d", inbox.ErrInvalidConfig, len(name), inbox.MaxConsumerNameBytes)
-	case inbox.ValidateKey("consumer name", name) != nil:
-		return fmt.Errorf("%w: deferred: ConsumerName must be valid UTF-8 without NUL", inbox.ErrInvalidConfig)
-	case strings.IndexFunc(name, unicode.IsControl) >= 0:
-		return fmt.Errorf("%w: deferred: ConsumerName %q contains a control character", inbox.ErrInvalidConfig, name)
-	}
-	return nil
+	return inbox.ValidateConsumerName(c.ConsumerName)
 }
 
 // validateLimits checks the sizes and durations.
@@ -365,7 +346,7 @@ func (c Config) validatePolicies() error {
 		return fmt.Errorf("%w: deferred: an Outbox needs PublishTopic", inbox.ErrInvalidConfig)
 	case c.OnKeyCollision < inbox.CollisionDeadLetter || c.OnKeyCollision > inbox.CollisionSkip:
 		return fmt.Errorf("%w: deferred: unknown OnKeyCollision policy %d", inbox.ErrInvalidConfig, c.OnKeyCollision)
-	case c.Ordering == OrderProducerSequence && inbox.IsBrokerSideField(c.SequenceField, c.BrokerSideFields):
+	case c.Ordering == OrderProducerSequence && brokerside.IsDeliveryState(c.SequenceField, c.BrokerSideFields):
 		return fmt.Errorf("%w: deferred: SequenceField %q is a broker-side delivery field, not a producer sequence", inbox.ErrBrokerSideKey, c.SequenceField)
 	}
 	return nil

@@ -15,6 +15,8 @@ import (
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -188,7 +190,7 @@ func (i *Inbox) Receive(msg *message.Message) error {
 	if perm := unstorableByPostgres(err, r); perm != nil {
 		return i.refuse(msg, key, perm)
 	}
-	return fmt.Errorf("deferred: receipt of %s: %w", inbox.SafeMessageID(msg.UUID), err)
+	return fmt.Errorf("deferred: receipt of %s: %w", keyrule.SafeID(msg.UUID), err)
 }
 
 // conflict settles a receipt whose insert conflicted: with the row of its key (a duplicate,
@@ -201,13 +203,13 @@ func (i *Inbox) conflict(msg *message.Message, r receipt) error {
 	var sameKey bool
 	if err := i.cfg.Pool.QueryRow(ctx, i.n.conflictSQL, r.key, i.cfg.ConsumerName, r.aggregate, r.seq).Scan(&stored, &sameKey); err != nil {
 		// The row exists (the insert conflicted): ack as a duplicate, collision unchecked.
-		i.logger.Error("Duplicate receipt: could not read the stored payload hash", err, watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID)})
+		i.logger.Error("Duplicate receipt: could not read the stored payload hash", err, watermill.LogFields{"message_uuid": keyrule.SafeID(msg.UUID)})
 		i.duplicates.Add(1)
 		return nil
 	}
 	if bytes.Equal(stored, r.sum[:]) {
 		i.duplicates.Add(1)
-		i.logger.Debug("Duplicate receipt skipped", watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "same_key": sameKey})
+		i.logger.Debug("Duplicate receipt skipped", watermill.LogFields{"message_uuid": keyrule.SafeID(msg.UUID), "same_key": sameKey})
 		return nil
 	}
 	if !sameKey {
@@ -215,7 +217,7 @@ func (i *Inbox) conflict(msg *message.Message, r receipt) error {
 	}
 	i.collisions.Add(1)
 	i.logger.Error("Key collision: key already stored with a different payload", inbox.ErrKeyCollision,
-		watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "policy": i.cfg.OnKeyCollision})
+		watermill.LogFields{"message_uuid": keyrule.SafeID(msg.UUID), "policy": i.cfg.OnKeyCollision})
 	switch {
 	case i.cfg.OnKeyCollision == inbox.CollisionSkip:
 		return nil
@@ -267,7 +269,7 @@ func (i *Inbox) refuse(msg *message.Message, key string, err error) error {
 // refuseWith is refuse with the dead letter's reason given.
 func (i *Inbox) refuseWith(msg *message.Message, key string, err error, reason string) error {
 	i.refused.Add(1)
-	i.logger.Error("Message refused at receipt", err, watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "reason": reason})
+	i.logger.Error("Message refused at receipt", err, watermill.LogFields{"message_uuid": keyrule.SafeID(msg.UUID), "reason": reason})
 	if i.cfg.DeadLetterPublisher == nil {
 		return err
 	}
@@ -279,7 +281,7 @@ func (i *Inbox) refuseWith(msg *message.Message, key string, err error, reason s
 func (i *Inbox) publishDeadLetter(ctx context.Context, msg *message.Message, key, reason string, attempts int, topic string) error {
 	dl := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
-		if !inbox.IsBrokerSideField(k, i.cfg.BrokerSideFields) {
+		if !brokerside.IsDeliveryState(k, i.cfg.BrokerSideFields) {
 			dl.Metadata.Set(k, v)
 		}
 	}
@@ -295,9 +297,9 @@ func (i *Inbox) publishDeadLetter(ctx context.Context, msg *message.Message, key
 	dl.Metadata.Set(inbox.DeadLetterConsumerKey, i.cfg.ConsumerName)
 	dl.Metadata.Set(inbox.DeadLetterMessageKeyKey, key)
 	if err := i.cfg.DeadLetterPublisher.Publish(i.cfg.DeadLetterTopic, dl); err != nil {
-		return fmt.Errorf("deferred: publishing dead letter of %s: %w", inbox.SafeMessageID(msg.UUID), err)
+		return fmt.Errorf("deferred: publishing dead letter of %s: %w", keyrule.SafeID(msg.UUID), err)
 	}
-	i.logger.Info("Message dead-lettered", watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "attempts": attempts, "reason": reason})
+	i.logger.Info("Message dead-lettered", watermill.LogFields{"message_uuid": keyrule.SafeID(msg.UUID), "attempts": attempts, "reason": reason})
 	return nil
 }
 

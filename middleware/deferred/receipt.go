@@ -12,6 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -137,7 +139,7 @@ func (i *Inbox) prepare(msg *message.Message, key string) (receipt, error) {
 	if n := len(r.payload) + len(md) + len(r.topic) + len(key) + len(r.uuid); n > maxRowBytes {
 		return r, inbox.Permanent(&UnstorableError{Field: "row", Reason: fmt.Sprintf("too large (limit %d bytes)", maxRowBytes), Bytes: n})
 	}
-	if !inbox.ValidText(r.uuid) {
+	if !keyrule.Text(r.uuid) {
 		r.uuid = key // a UUID that cannot be stored as text: the key names the message
 	}
 	r.sum = sha256.Sum256(r.payload)
@@ -188,7 +190,7 @@ func (i *Inbox) sequence(msg *message.Message) (int64, error) {
 func (i *Inbox) metadata(msg *message.Message) (string, error) {
 	md := make(map[string]string, len(msg.Metadata))
 	for k, v := range msg.Metadata {
-		if inbox.IsBrokerSideField(k, i.cfg.BrokerSideFields) {
+		if brokerside.IsDeliveryState(k, i.cfg.BrokerSideFields) {
 			continue
 		}
 		if err := checkText("metadata", k, maxMetadataBytes); err != nil {

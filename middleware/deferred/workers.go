@@ -21,8 +21,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/semaphore"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
+	"github.com/watermill-inbox/watermill-inbox/internal/pgtx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // maxErrorBytes bounds last_error, in bytes.
@@ -292,7 +293,7 @@ func (w *Workers) process(r claimedRow, name string) {
 	ib, cfg := w.ib, w.ib.cfg
 	dctx, dcancel := context.WithTimeout(context.Background(), cfg.FinishTimeout)
 	defer dcancel()
-	log := watermill.LogFields{"message_uuid": inbox.SafeMessageID(r.uuid), "row": r.id}
+	log := watermill.LogFields{"message_uuid": keyrule.SafeID(r.uuid), "row": r.id}
 	conn, err := cfg.Pool.Acquire(dctx)
 	if err != nil {
 		ib.logger.Error("Could not acquire a connection; releasing the row", err, log)
@@ -311,7 +312,7 @@ func (w *Workers) process(r claimedRow, name string) {
 		return
 	}
 	msg := r.message()
-	txCtx := pgstore.ContextWithTx(w.hctx, tx)
+	txCtx := pgtx.With(w.hctx, tx)
 	msg.SetContext(txCtx)
 	herr := w.run(msg, txCtx, tx)
 	if herr == nil {
@@ -437,7 +438,7 @@ func (w *Workers) run(msg *message.Message, txCtx context.Context, tx pgx.Tx) (e
 		if p := recover(); p != nil {
 			buf := make([]byte, 2048)
 			buf = buf[:runtime.Stack(buf, false)]
-			w.ib.logger.Error("Handler panicked", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": inbox.SafeMessageID(msg.UUID), "stack": string(buf)})
+			w.ib.logger.Error("Handler panicked", fmt.Errorf("%v", p), watermill.LogFields{"message_uuid": keyrule.SafeID(msg.UUID), "stack": string(buf)})
 			err = fmt.Errorf("deferred: handler panicked: %v", p)
 		}
 	}()

@@ -1,7 +1,6 @@
 package inbox
 
 import (
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -20,13 +19,6 @@ const (
 	// broker's redelivery does not spin.
 	DefaultBrakePause = time.Second
 )
-
-// ErrInvalidKeyFlood is returned (the router nacks; it is not permanent) for a delivery with an
-// invalid key while most recent deliveries had one too: a mistyped key field
-// (MetadataKey("orderId") where producers write order_id) or a producer that lost its IDs is
-// a configuration fault, and dead-lettering the whole stream would drain it. The messages stay
-// on the broker until an operator fixes the configuration. See InvalidKeyBrake.
-var ErrInvalidKeyFlood = errors.New("inbox: most recent deliveries have an invalid key: a configuration fault (a mistyped key field?); nacking instead of dead-lettering")
 
 // InvalidKeyBrake stops a flood of invalid keys from being dead-lettered. The inbox remembers
 // whether each of the last Window deliveries had a valid key; when an invalid one arrives

@@ -41,6 +41,10 @@ const (
 	DeadLetterConsumerKey = "inbox_consumer_name"
 	// DeadLetterMessageKeyKey holds the message key (empty when the key was invalid).
 	DeadLetterMessageKeyKey = "inbox_message_key"
+	// DeadLetterReplayedKey is the metadata field ReplayDeadLetter sets on the message it
+	// republishes. The TooOldGuard lets a message carrying it through: an operator who
+	// replays a dead letter has decided it must run.
+	DeadLetterReplayedKey = "inbox_replayed"
 )
 
 // CollisionPolicy decides what happens to a key collision: a delivery whose key was already
@@ -213,7 +217,7 @@ func (c Config) Validate() error {
 	if c.Store == nil {
 		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
 	}
-	if err := validateConsumerName(c.ConsumerName); err != nil {
+	if err := ValidateConsumerName(c.ConsumerName); err != nil {
 		return err
 	}
 	switch c.Isolation {

@@ -9,6 +9,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 )
 
 // deadLetter publishes a copy of the received message to the dead-letter topic with
@@ -21,7 +23,7 @@ func (i *Inbox) deadLetter(d *delivery, mark bool) error {
 	for k := range dl.Metadata {
 		// Delivery-specific fields (a redelivered flag, a delivery count) would describe the
 		// original delivery, and make a replayed message look redelivered.
-		if IsBrokerSideField(k, i.cfg.BrokerSideFields) {
+		if brokerside.IsDeliveryState(k, i.cfg.BrokerSideFields) {
 			delete(dl.Metadata, k)
 		}
 	}
@@ -76,11 +78,6 @@ func (i *Inbox) Replay(ctx context.Context, messageID string) (bool, error) {
 	}
 	return i.cfg.Store.Replay(ctx, Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName})
 }
-
-// ErrNotDeadLettered is returned by ReplayDeadLetter when the dead letter's key is not in the
-// dead-lettered state for this consumer: already replayed, never marked (a key collision, whose
-// key belongs to the message that was processed), or dead-lettered by another consumer's inbox.
-var ErrNotDeadLettered = errors.New("inbox: the message is not dead-lettered for this consumer")
 
 // deadLetterKeys are the metadata keys a dead letter carries that ReplayDeadLetter removes
 // before republishing: Watermill's PoisonQueue keys and the inbox's own.

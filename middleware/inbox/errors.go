@@ -3,42 +3,79 @@ package inbox
 import (
 	"errors"
 	"fmt"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 )
 
-// ErrInvalidKey is the sentinel wrapped by every *InvalidKeyError. Test for it with
-// errors.Is(err, ErrInvalidKey).
-var ErrInvalidKey = errors.New("inbox: invalid message key")
+// The errors of package inbox. Test for them with errors.Is.
+var (
+	// ErrInvalidKey is the sentinel wrapped by every *InvalidKeyError. Test for it with
+	// errors.Is(err, ErrInvalidKey).
+	ErrInvalidKey = errors.New("inbox: invalid message key")
 
-// ErrProducedMessages is returned (and nothing committed) when a handler wrapped by an inbox
-// without an Outbox returns messages for the router to publish. The router publishes them
-// after the inbox has committed, so a crash or a failed publish in between would lose them for
-// good: the redelivery is recognised as a duplicate and the handler does not run again.
-// Configure Config.Outbox (package outbox) so they are written in the inbox transaction.
-var ErrProducedMessages = errors.New("inbox: handler returned messages to publish, but no Outbox is configured; the router would publish them after the inbox commit, where a crash loses them")
+	// ErrProducedMessages is returned (and nothing committed) when a handler wrapped by an inbox
+	// without an Outbox returns messages for the router to publish. The router publishes them
+	// after the inbox has committed, so a crash or a failed publish in between would lose them for
+	// good: the redelivery is recognised as a duplicate and the handler does not run again.
+	// Configure Config.Outbox (package outbox) so they are written in the inbox transaction.
+	ErrProducedMessages = errors.New("inbox: handler returned messages but no Outbox is configured")
 
-// ErrNoPublishTopic is returned when a handler returns messages but the router gave it no
-// publish topic (it was added with AddConsumerHandler, not AddHandler), and its context names
-// none (ContextWithPublishTopic). It is permanent.
-var ErrNoPublishTopic = errors.New("inbox: handler returned messages but has no publish topic (add it with router.AddHandler)")
+	// ErrNoPublishTopic is returned when a handler returns messages but the router gave it no
+	// publish topic (it was added with AddConsumerHandler, not AddHandler), and its context names
+	// none (ContextWithPublishTopic). It is permanent.
+	ErrNoPublishTopic = errors.New("inbox: handler returned messages but has no publish topic")
 
-// ErrBrokerSideKey is returned by MetadataKey when the named metadata field is a known
-// broker-side delivery identifier (a redelivered flag, a delivery counter, an offset, a receipt
-// handle): such a value describes one delivery, not the message, and changes on redelivery.
-var ErrBrokerSideKey = errors.New("inbox: metadata field is a broker-side delivery identifier, not a producer message ID")
+	// ErrBrokerSideKey is returned by MetadataKey when the named metadata field is a known
+	// broker-side delivery identifier (a redelivered flag, a delivery counter, an offset, a receipt
+	// handle): such a value describes one delivery, not the message, and changes on redelivery.
+	ErrBrokerSideKey = errors.New("inbox: metadata field is a broker-side delivery identifier")
 
-// ErrKeyCollision reports a key collision: a delivery whose key was already claimed with a
-// different payload (the SHA-256 stored with the claim differs). Two producers minted the same
-// ID, or a producer reused one. It is permanent (see IsPermanent).
-var ErrKeyCollision = errors.New("inbox: key collision: the key was already processed with a different payload")
+	// ErrKeyCollision reports a key collision: a delivery whose key was already claimed with a
+	// different payload (the SHA-256 stored with the claim differs). Two producers minted the same
+	// ID, or a producer reused one. It is permanent (see IsPermanent).
+	ErrKeyCollision = errors.New("inbox: key collision: key already processed with another payload")
 
-// ErrAckedBeforeHandler is returned when a delivery reaches the inbox already acked, which
-// Watermill's InstantAck middleware (or a handler of its kind) does. An acked message is never
-// redelivered, so a crash before the commit would lose it: the inbox refuses to run the
-// handler under that setup. Remove InstantAck. It is permanent (see IsPermanent).
-var ErrAckedBeforeHandler = errors.New("inbox: message was acked before the inbox ran (InstantAck?); ack must follow the commit")
+	// ErrAckedBeforeHandler is returned when a delivery reaches the inbox already acked, which
+	// Watermill's InstantAck middleware (or a handler of its kind) does. An acked message is never
+	// redelivered, so a crash before the commit would lose it: the inbox refuses to run the
+	// handler under that setup. Remove InstantAck. It is permanent (see IsPermanent).
+	ErrAckedBeforeHandler = errors.New("inbox: message acked before the inbox ran")
 
-// ErrInvalidConfig wraps every configuration error returned by New and by store constructors.
-var ErrInvalidConfig = errors.New("inbox: invalid configuration")
+	// ErrInvalidConfig wraps every configuration error returned by New and by store constructors.
+	ErrInvalidConfig = errors.New("inbox: invalid configuration")
+
+	// ErrInvalidKeyFlood is returned (the router nacks; it is not permanent) for a delivery with an
+	// invalid key while most recent deliveries had one too: a mistyped key field
+	// (MetadataKey("orderId") where producers write order_id) or a producer that lost its IDs is
+	// a configuration fault, and dead-lettering the whole stream would drain it. The messages stay
+	// on the broker until an operator fixes the configuration. See InvalidKeyBrake.
+	ErrInvalidKeyFlood = errors.New("inbox: invalid-key flood")
+
+	// ErrNotDeadLettered is returned by ReplayDeadLetter when the dead letter's key is not in the
+	// dead-lettered state for this consumer: already replayed, never marked (a key collision, whose
+	// key belongs to the message that was processed), or dead-lettered by another consumer's inbox.
+	ErrNotDeadLettered = errors.New("inbox: message not dead-lettered")
+
+	// ErrTooOld is wrapped (and marked Permanent) for a message older than the retention window.
+	ErrTooOld = errors.New("inbox: message " + ReasonTooOld)
+
+	// ErrFutureProducerTime is wrapped (and marked Permanent) for a message whose producer time
+	// lies in the future beyond TooOldGuard.MaxClockSkew.
+	ErrFutureProducerTime = errors.New("inbox: " + ReasonFutureProducerTime)
+
+	// ErrCommitRolledBack is wrapped by a commit error when the transaction certainly did not
+	// commit: PostgreSQL answered COMMIT with ROLLBACK (a statement of the handler had failed),
+	// COMMIT raised an error (a deferred constraint), or the handler had ended the transaction
+	// (ErrTxEnded). The delivery is the message's failure. A commit error without it has an
+	// unknown outcome: the inbox nacks and never dead-letters, since the redelivery tells.
+	ErrCommitRolledBack = contract.ErrCommitRolledBack
+
+	// ErrTxEnded is the failure of a delivery whose handler ended the inbox transaction it was
+	// given, or tried to (Commit or Rollback on it, a COMMIT or ROLLBACK statement, a closed
+	// connection): nacked, never acked, since what it wrote may be gone. It also wraps
+	// ErrCommitRolledBack.
+	ErrTxEnded = contract.ErrTxEnded
+)
 
 // InvalidKeyError reports why a message key (the producer's message ID or a business idempotency
 // key) was refused. It wraps ErrInvalidKey and is permanent (see IsPermanent): the message is not

@@ -9,15 +9,18 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 )
 
-// MaxKeyBytes is the longest message key accepted, in bytes (UTF-8). It keeps the
-// (message_id, consumer_name) primary key far below PostgreSQL's B-tree entry limit of about
-// 2,700 bytes (a third of an 8 KiB page), beyond which an INSERT fails with SQLSTATE 54000.
-const MaxKeyBytes = 512
-
-// MaxConsumerNameBytes is the longest consumer name accepted, in bytes (UTF-8).
-const MaxConsumerNameBytes = 128
+// Limits of a message key and a consumer name, in bytes (UTF-8).
+const (
+	// MaxKeyBytes is the longest message key accepted. It keeps the (message_id,
+	// consumer_name) primary key far below PostgreSQL's B-tree entry limit of about 2,700
+	// bytes (a third of an 8 KiB page), beyond which an INSERT fails with SQLSTATE 54000.
+	MaxKeyBytes = keyrule.MaxKeyBytes
+	// MaxConsumerNameBytes is the longest consumer name accepted.
+	MaxConsumerNameBytes = keyrule.MaxConsumerNameBytes
+)
 
 // KeyExtractor returns the deduplication key of a message: the ID its producer assigned once,
 // when the event was created, or a business idempotency key. It must never return a value that
@@ -44,15 +47,6 @@ type messageUUID struct{}
 func (messageUUID) ExtractKey(msg *message.Message) (string, error) { return msg.UUID, nil }
 func (messageUUID) Source() string                                  { return "message UUID" }
 
-// brokerSideMetadata is the core's own list: broker-neutral names of delivery state. The
-// broker-specific fields live in one table per broker (internal/brokerside), owned by the
-// adapters, which MetadataKey consults as well. Names are compared case-insensitively.
-var brokerSideMetadata = map[string]string{
-	"redelivered":    "a redelivered flag describes one delivery and changes on redelivery",
-	"delivery_count": "a delivery count changes on every redelivery",
-	"delivery_id":    "a delivery ID names one delivery, not the message",
-}
-
 // MetadataKey returns a KeyExtractor that reads the named metadata field, for producers that
 // send a business idempotency key (a payment request ID, an order number) that survives their
 // own retries. It returns an error wrapping ErrBrokerSideKey when field names a broker-side
@@ -68,9 +62,6 @@ func MetadataKey(field string, brokerSide ...map[string]string) (KeyExtractor, e
 	if strings.TrimSpace(field) == "" {
 		return nil, fmt.Errorf("%w: MetadataKey: empty field name", ErrInvalidConfig)
 	}
-	if why, ok := brokerSideMetadata[strings.ToLower(field)]; ok {
-		return nil, fmt.Errorf("%w: %q: %s", ErrBrokerSideKey, field, why)
-	}
 	if broker, why, ok := brokerside.Lookup(field); ok {
 		return nil, fmt.Errorf("%w: %q (%s): %s", ErrBrokerSideKey, field, broker, why)
 	}
@@ -84,26 +75,6 @@ func MetadataKey(field string, brokerSide ...map[string]string) (KeyExtractor, e
 	return metadataKey{field: field}, nil
 }
 
-// IsBrokerSideField reports whether field is delivery state to remove from a dead letter: one
-// of the core's broker-neutral names, a field an adapter of this module writes into metadata
-// on delivery (brokerside.Delivered: `_watermill_amqp_redelivered`, `x-delivery-count`,
-// `x-death`, `num_delivered`, `ApproximateReceiveCount`, `SequenceNumber`), or a field of one
-// of the brokerSide maps. Names a broker merely reserves (Kafka's "key" or "timestamp") are
-// not removed unless a map names them: MetadataKey refuses them, dead letters keep them.
-func IsBrokerSideField(field string, brokerSide ...map[string]string) bool {
-	if _, ok := brokerSideMetadata[strings.ToLower(field)]; ok || brokerside.IsDelivered(field) {
-		return true
-	}
-	for _, fields := range brokerSide {
-		for name := range fields {
-			if strings.EqualFold(name, field) {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 type metadataKey struct{ field string }
 
 func (m metadataKey) ExtractKey(msg *message.Message) (string, error) {
@@ -112,30 +83,21 @@ func (m metadataKey) ExtractKey(msg *message.Message) (string, error) {
 func (m metadataKey) Source() string { return fmt.Sprintf("metadata %q", m.field) }
 
 // ValidateKey checks a message key: non-empty and not only white space, at most MaxKeyBytes
-// bytes, valid UTF-8 and free of NUL (PostgreSQL text cannot store NUL: SQLSTATE 22021). It returns nil or an
-// *InvalidKeyError naming source.
+// bytes, valid UTF-8 and free of NUL (PostgreSQL text cannot store NUL: SQLSTATE 22021). It
+// returns nil or an *InvalidKeyError naming source.
 func ValidateKey(source, key string) error {
-	reason := ""
-	switch {
-	case key == "":
-		reason = "empty"
-	case strings.TrimSpace(key) == "":
-		reason = "blank"
-	case len(key) > MaxKeyBytes:
-		reason = fmt.Sprintf("too long (limit %d bytes)", MaxKeyBytes)
-	case !utf8.ValidString(key):
-		reason = "invalid UTF-8"
-	case strings.IndexByte(key, 0) >= 0:
-		reason = "contains NUL"
-	default:
-		return nil
+	if reason := keyrule.Problem(key); reason != "" {
+		return &InvalidKeyError{Source: source, Reason: reason, Length: len(key)}
 	}
-	return &InvalidKeyError{Source: source, Reason: reason, Length: len(key)}
+	return nil
 }
 
-// validateConsumerName applies the key rules to a consumer name, with its own length limit,
-// and refuses control characters (a newline, an escape sequence), which a key may hold.
-func validateConsumerName(name string) error {
+// ValidateConsumerName checks a consumer name, the one rule of every package and command that
+// takes one (inbox.New, the store-then-process inbox, the metrics, the CLI): not blank, at most
+// MaxConsumerNameBytes bytes of valid UTF-8 without NUL, and no control character (a newline,
+// an escape sequence: a name is printed as it is in logs, metric labels and the CLI, so it is
+// refused rather than escaped). Errors wrap ErrInvalidConfig.
+func ValidateConsumerName(name string) error {
 	switch {
 	case strings.TrimSpace(name) == "":
 		return fmt.Errorf("%w: ConsumerName is required (it is part of the inbox key, so handlers sharing a table never block each other)", ErrInvalidConfig)

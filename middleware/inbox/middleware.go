@@ -8,11 +8,8 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
-	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
-	"unicode"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -20,6 +17,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 )
 
@@ -683,21 +681,11 @@ func ContextWithPublishTopic(ctx context.Context, topic string) context.Context 
 
 // validOrEmpty drops optional metadata that PostgreSQL text cannot hold or that is unbounded.
 func validOrEmpty(s string) string {
-	if ValidateKey("", s) != nil {
+	if !keyrule.Text(s) {
 		return ""
 	}
 	return s
 }
 
-// safeUUID returns the message UUID for logs and error strings: a placeholder when it is not
-// key material (invalid UTF-8, NUL, oversized), quoted with Go escapes when it holds a control
-// character (a newline or an escape sequence could forge log lines), else as it is.
-func safeUUID(id string) string {
-	if ValidateKey("", id) != nil {
-		return fmt.Sprintf("<invalid, %d bytes>", len(id))
-	}
-	if strings.IndexFunc(id, unicode.IsControl) >= 0 {
-		return strconv.Quote(id)
-	}
-	return id
-}
+// safeUUID returns the message UUID for logs and error strings (keyrule.SafeID).
+func safeUUID(id string) string { return keyrule.SafeID(id) }

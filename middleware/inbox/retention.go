@@ -1,14 +1,14 @@
 package inbox
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/google/uuid"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 )
 
 // Defaults of Retention (docs/retention.md explains how to choose each).
@@ -31,26 +31,16 @@ const (
 	DefaultMaxClockSkew = 5 * time.Minute
 )
 
-// ReasonTooOld is the dead-letter reason of a message whose producer time is older than the
-// retention window (TooOldGuard): its inbox row may already be purged, so it cannot be
-// deduplicated.
-const ReasonTooOld = "older than the retention window"
-
-// ReasonFutureProducerTime is the dead-letter reason of a message whose producer time lies
-// further in the future than TooOldGuard.MaxClockSkew.
-const ReasonFutureProducerTime = "producer time in the future beyond the allowed clock skew"
-
-// ErrTooOld is wrapped (and marked Permanent) for a message older than the retention window.
-var ErrTooOld = errors.New("inbox: message " + ReasonTooOld + "; its inbox row may have been purged, so it cannot be deduplicated")
-
-// ErrFutureProducerTime is wrapped (and marked Permanent) for a message whose producer time
-// lies in the future beyond TooOldGuard.MaxClockSkew.
-var ErrFutureProducerTime = errors.New("inbox: " + ReasonFutureProducerTime)
-
-// DeadLetterReplayedKey is the metadata field ReplayDeadLetter sets on the message it
-// republishes. The TooOldGuard lets a message carrying it through: an operator who replays a
-// dead letter has decided it must run.
-const DeadLetterReplayedKey = "inbox_replayed"
+// The dead-letter reasons of the TooOldGuard.
+const (
+	// ReasonTooOld is the dead-letter reason of a message whose producer time is older than
+	// the retention window: its inbox row may already be purged, so it cannot be
+	// deduplicated.
+	ReasonTooOld = "older than the retention window"
+	// ReasonFutureProducerTime is the dead-letter reason of a message whose producer time
+	// lies further in the future than TooOldGuard.MaxClockSkew.
+	ReasonFutureProducerTime = "producer time in the future beyond the allowed clock skew"
+)
 
 // Retention is a store's retention setting: how long the evidence that a message was
 // processed is kept. Purging a row before the last possible redelivery of its message lets
@@ -145,30 +135,9 @@ type ProducerTimeFunc func(msg *message.Message) (t time.Time, ok bool, err erro
 // message ID that is not a UUID, has no producer time.
 func ProducerTimeFromUUIDv7() ProducerTimeFunc {
 	return func(msg *message.Message) (time.Time, bool, error) {
-		t, ok := UUIDv7Time(msg.UUID)
+		t, ok := keyrule.UUIDv7Time(msg.UUID)
 		return t, ok, nil
 	}
-}
-
-// UUIDv7Time returns the Unix-millisecond timestamp embedded in a UUIDv7 given in its
-// canonical 36-character 8-4-4-4-12 form, hex digits in either case (RFC 9562, section 5.7:
-// the first 48 bits are the Unix time in milliseconds, the version nibble is 7, the variant
-// bits are 10), and false for any other string: another version or variant, another length
-// or form (braces, urn:uuid:, no hyphens), a non-hex digit. It is the one UUIDv7 reader of
-// the module: pgstore's ProducerTimeFromKey calls it too (after requiring lowercase).
-func UUIDv7Time(id string) (time.Time, bool) {
-	if len(id) != 36 {
-		return time.Time{}, false
-	}
-	u, err := uuid.Parse(id)
-	if err != nil || u.Version() != 7 || u.Variant() != uuid.RFC4122 {
-		return time.Time{}, false
-	}
-	var ms int64
-	for _, b := range u[:6] {
-		ms = ms<<8 | int64(b)
-	}
-	return time.UnixMilli(ms), true
 }
 
 // ProducerTimeFromMetadata reads the producer time from a metadata field the producer sets

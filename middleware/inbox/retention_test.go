@@ -12,6 +12,7 @@ import (
 	wmmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -58,18 +59,18 @@ func TestRetentionValidate(t *testing.T) {
 
 func TestProducerTimeExtractors(t *testing.T) {
 	at := time.Date(2026, 11, 30, 12, 34, 56, 789_000_000, time.UTC)
-	got, ok := inbox.UUIDv7Time(uuidV7At(at))
+	got, ok := keyrule.UUIDv7Time(uuidV7At(at))
 	if !ok || !got.Equal(at) {
 		t.Fatalf("UUIDv7Time = %v, %v; want %v", got, ok, at)
 	}
 	v4 := uuid.NewString()
 	for _, id := range []string{v4, "", "not-a-uuid", strings.Repeat("z", 36), strings.ToUpper(uuidV7At(at))[:35] + "g"} {
-		if _, ok := inbox.UUIDv7Time(id); ok {
+		if _, ok := keyrule.UUIDv7Time(id); ok {
 			t.Errorf("UUIDv7Time(%q) found a time", id)
 		}
 	}
 	upper := strings.ToUpper(uuidV7At(at))
-	if got, ok := inbox.UUIDv7Time(upper); !ok || !got.Equal(at) {
+	if got, ok := keyrule.UUIDv7Time(upper); !ok || !got.Equal(at) {
 		t.Errorf("upper-case UUIDv7: %v, %v", got, ok)
 	}
 	f := inbox.ProducerTimeFromMetadata("produced_at")
@@ -287,7 +288,7 @@ var uuidV7Cases = []struct {
 // refuses other versions, other variants and malformed strings.
 func TestUUIDv7Time(t *testing.T) {
 	for _, c := range uuidV7Cases {
-		got, ok := inbox.UUIDv7Time(c.id)
+		got, ok := keyrule.UUIDv7Time(c.id)
 		switch {
 		case c.want < 0 && (ok || !got.IsZero()):
 			t.Errorf("%s: UUIDv7Time(%q) = %v, %v; want refused", c.name, c.id, got, ok)
@@ -295,7 +296,7 @@ func TestUUIDv7Time(t *testing.T) {
 			t.Errorf("%s: UUIDv7Time(%q) = %v (%d ms), %v; want %d ms", c.name, c.id, got, got.UnixMilli(), ok, c.want)
 		}
 	}
-	if got, _ := inbox.UUIDv7Time(uuidV7Cases[0].id); !got.Equal(time.Date(2022, 2, 22, 19, 22, 22, 0, time.UTC)) {
+	if got, _ := keyrule.UUIDv7Time(uuidV7Cases[0].id); !got.Equal(time.Date(2022, 2, 22, 19, 22, 22, 0, time.UTC)) {
 		t.Errorf("RFC 9562's example reads as %v, want 2022-02-22T19:22:22Z (its appendix A.6)", got.UTC())
 	}
 }

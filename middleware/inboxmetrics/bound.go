@@ -2,10 +2,7 @@ package inboxmetrics
 
 import (
 	"errors"
-	"fmt"
-	"strings"
 	"sync"
-	"unicode"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -66,22 +63,13 @@ func (b *bounded) label(v string) string {
 	return v
 }
 
-// validateConsumer refuses what inbox.New refuses as a consumer name: empty or blank, more
-// than inbox.MaxConsumerNameBytes, invalid UTF-8, NUL (inbox.ValidateKey's rules, with the
-// consumer name's own length limit), a control character; and Other.
-//
-// The control-character rule is inbox's unexported validateConsumerName's: an exported
-// inbox.ValidateConsumerName would replace this function.
+// validateConsumer refuses what inbox.New refuses as a consumer name
+// (inbox.ValidateConsumerName), and Other.
 func validateConsumer(name string) error {
-	if err := inbox.ValidateKey("consumer name", name); err != nil {
-		return fmt.Errorf("%w: inboxmetrics: %w", inbox.ErrInvalidConfig, err)
+	if err := inbox.ValidateConsumerName(name); err != nil {
+		return err
 	}
-	switch {
-	case len(name) > inbox.MaxConsumerNameBytes:
-		return fmt.Errorf("%w: inboxmetrics: consumer name is %d bytes, limit %d", inbox.ErrInvalidConfig, len(name), inbox.MaxConsumerNameBytes)
-	case strings.IndexFunc(name, unicode.IsControl) >= 0:
-		return fmt.Errorf("%w: inboxmetrics: consumer name %q contains a control character", inbox.ErrInvalidConfig, name)
-	case name == Other:
+	if name == Other {
 		return ErrReservedConsumer
 	}
 	return nil

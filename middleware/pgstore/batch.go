@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/pgtx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -212,7 +213,7 @@ type settle struct {
 }
 
 func (t *batchTx) Context(ctx context.Context) context.Context {
-	return context.WithValue(ctx, txKey{}, pgx.Tx(t.h))
+	return pgtx.With(ctx, t.h)
 }
 
 // Savepoint marks the point Drop rolls back to: SAVEPOINT, after releasing the open one, in

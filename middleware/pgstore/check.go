@@ -2,16 +2,11 @@ package pgstore
 
 import (
 	"context"
-	"errors"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/migrate"
 )
-
-// ErrSchemaNotCurrent is wrapped by every *SchemaError: errors.Is(err, ErrSchemaNotCurrent)
-// tells a schema that needs migrating from a database that cannot be reached.
-var ErrSchemaNotCurrent = errors.New("pgstore: the inbox schema is not current")
 
 // SchemaError is CheckSchema's answer when the schema needs migrating: the tables that do not
 // exist and the migrations not recorded as applied. Run Migrate (or the script of

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/pgtx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -276,12 +277,6 @@ func (s *Store) sendClaim(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch,
 	return err
 }
 
-// ErrTxOwnedByInbox is returned by Commit and Rollback of the transaction TxFromContext hands a
-// handler: the inbox ends it after the handler returns. The call also makes the delivery fail
-// with inbox.ErrTxEnded (nacked, and counted as the message's failure), since a handler that
-// meant to end its transaction cannot have its work committed.
-var ErrTxOwnedByInbox = errors.New("pgstore: the inbox transaction is ended by the inbox, not by the handler")
-
 // handlerTx is the transaction a handler gets: the inbox's pgx.Tx, whose Commit and Rollback
 // it refuses and remembers.
 type handlerTx struct {
@@ -329,7 +324,7 @@ type claimTx struct {
 }
 
 func (t *claimTx) Context(ctx context.Context) context.Context {
-	return context.WithValue(ctx, txKey{}, pgx.Tx(t.h))
+	return pgtx.With(ctx, t.h)
 }
 
 // end runs f on a context detached from ctx's cancellation and bounded by the finish timeout,

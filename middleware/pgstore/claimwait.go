@@ -24,19 +24,6 @@ const (
 	claimRetryMaxPause   = 500 * time.Millisecond
 )
 
-// ErrClaimInFlight is wrapped by a claim's error when its key stayed claimed by another
-// delivery until the claim's context ended (the inbox's ClaimTimeout) or, with
-// Config.LockTimeout set, past LockTimeout. The claim held no pool connection while it waited
-// and counted nothing: the inbox nacks it without using up an attempt, and the redelivery is
-// a duplicate once the delivery in flight commits. The error also wraps the context's error.
-var ErrClaimInFlight = errors.New("pgstore: the key is claimed by a delivery in flight")
-
-// ErrWaitingForConnection is wrapped by a claim's error when its context ended while it
-// waited for a pool connection (every connection in use: size pgxpool's pool_max_conns to the
-// subscriber's concurrency plus a few). The error also wraps the context's error and says
-// how long it waited and how many connections the pool has.
-var ErrWaitingForConnection = errors.New("pgstore: waiting for a pool connection")
-
 // acquire takes a pool connection; an ended context while waiting is ErrWaitingForConnection.
 func (s *Store) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	start := time.Now()

@@ -2,7 +2,6 @@ package pgstore
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 
@@ -137,9 +136,6 @@ $convert$;
 	fmt.Fprintf(&b, "COMMIT;\n-- Then: run the PartitionManager or `watermill-inbox partitions ensure` (partitioned), check the row counts, and DROP TABLE %s.\n", old)
 	return b.String(), nil
 }
-
-// ErrNoTable is returned by DetectLayout when the inbox table does not exist.
-var ErrNoTable = errors.New("pgstore: the inbox table does not exist")
 
 // DetectLayout reads the catalog (through q: a pool, a connection or a transaction) and
 // returns cfg, with its Schema and Table defaulted, carrying the Layout and Partitioning of

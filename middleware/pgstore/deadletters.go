@@ -14,10 +14,6 @@ import (
 // deadLetterSQL returns the statement of queries/<name>.sql for s.
 func (s *Store) deadLetterSQL(name string) string { return renderQuery(name, s.names).sql }
 
-// DiscardBatchSize bounds the dead-lettered records DiscardDeadLetters deletes per
-// transaction.
-const DiscardBatchSize = 1000
-
 // DeadLetterRecord is one dead-lettered attempt record.
 type DeadLetterRecord struct {
 	// MessageID is the key (the message UUID, or the business key the inbox was keyed by).

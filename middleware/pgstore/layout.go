@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/keyrule"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -106,23 +107,6 @@ type Partitioning struct {
 	ProducerTime ProducerTimeSource
 }
 
-// Errors of the compact layout and of partitioned mode.
-var (
-	// ErrKeyNotUUID: a key that is not a canonical lowercase UUID, claimed on a store with
-	// LayoutCompact. It also wraps inbox.ErrInvalidKey.
-	ErrKeyNotUUID = errors.New("pgstore: the compact layout stores message IDs as the uuid type and needs a canonical lowercase UUID (36 characters)")
-	// ErrKeyNotUUIDv7: a key that is not a canonical lowercase UUIDv7, claimed on a store
-	// partitioned with ProducerTimeFromKey. It also wraps inbox.ErrInvalidKey.
-	ErrKeyNotUUIDv7 = errors.New("pgstore: partitioned by the timestamp of UUIDv7 keys, and the key is not a canonical lowercase UUIDv7")
-	// ErrNoProducerTime: partitioned mode without a stable producer time (at New: no
-	// Partitioning.ProducerTime; at a claim with ProducerTimeFromClaim: no producer time).
-	ErrNoProducerTime = errors.New("pgstore: partitioned mode needs a stable producer time: set Partitioning.ProducerTime to ProducerTimeFromKey (message IDs are UUIDv7; their embedded timestamp) or ProducerTimeFromClaim (inbox.Config.ProducerTime reads a producer-set timestamp from metadata)")
-	// ErrNoPartition: the partition for a claim's producer time does not exist (PostgreSQL
-	// SQLSTATE 23514, "no partition of relation ... found for row"). Nothing was claimed; the
-	// delivery is nacked. Run PartitionManager, or `watermill-inbox partitions ensure`.
-	ErrNoPartition = errors.New("pgstore: no partition for the message's producer time")
-)
-
 // validateLayout checks cfg's layout and partitioning.
 func validateLayout(cfg Config) error {
 	if cfg.Layout != LayoutText && cfg.Layout != LayoutCompact {
@@ -205,19 +189,19 @@ func canonicalUUID(id string) bool {
 }
 
 // uuidV7Time returns the Unix-millisecond timestamp (UTC) of a canonical lowercase UUIDv7:
-// inbox.UUIDv7Time, restricted to lowercase so that exactly the keys uuidV7Pattern matches in
+// keyrule.UUIDv7Time, restricted to lowercase so that exactly the keys uuidV7Pattern matches in
 // LayoutMigrationSQL's conversion are accepted.
 func uuidV7Time(id string) (time.Time, bool) {
 	if !canonicalUUID(id) {
 		return time.Time{}, false
 	}
-	t, ok := inbox.UUIDv7Time(id)
+	t, ok := keyrule.UUIDv7Time(id)
 	return t.UTC(), ok
 }
 
-// CompactHashBytes is how many leading bytes of the payload's SHA-256 the compact layout
+// compactHashBytes is how many leading bytes of the payload's SHA-256 the compact layout
 // keeps (a smallint, big-endian): a duplicate is compared with that prefix of its hash.
-const CompactHashBytes = 2
+const compactHashBytes = 2
 
 // hashArg is the payload hash as the claim stores it: the whole hash (text layout), or its
 // first 2 bytes as a big-endian signed smallint (compact layout; NULL when shorter).
@@ -229,16 +213,16 @@ func (s *Store) hashArg(h []byte) any {
 }
 
 // compactHash is the compact layout's payload_hash of the SHA-256 h: its first
-// CompactHashBytes bytes as a big-endian int16, or nil when h is shorter.
+// compactHashBytes bytes as a big-endian int16, or nil when h is shorter.
 func compactHash(h []byte) *int16 {
-	if len(h) < CompactHashBytes {
+	if len(h) < compactHashBytes {
 		return nil
 	}
 	v := int16(binary.BigEndian.Uint16(h))
 	return &v
 }
 
-// scanHash scans the stored payload hash into dst, as bytes (CompactHashBytes bytes in the
+// scanHash scans the stored payload hash into dst, as bytes (compactHashBytes bytes in the
 // compact layout).
 func (s *Store) scanHash(row pgx.Row, dst *[]byte) error {
 	if s.cfg.Layout != LayoutCompact {

@@ -26,10 +26,6 @@ const (
 	DefaultPartitionCheckInterval = 10 * time.Minute
 )
 
-// ErrNotPartitioned is returned by the partition methods of a store without
-// Config.Partitioning. It wraps inbox.ErrInvalidConfig.
-var ErrNotPartitioned = fmt.Errorf("%w: pgstore: the store is not in partitioned mode (Config.Partitioning)", inbox.ErrInvalidConfig)
-
 // Partition is one partition of a partitioned inbox table.
 type Partition struct {
 	// Name is the partition's table name (unquoted), "<table>_pYYYYMMDD" or "<table>_pYYYYMMDDHH".
@@ -359,15 +355,6 @@ func (m *PartitionManager) Close() error {
 	<-m.done
 	return nil
 }
-
-// ErrPartitionOwner is returned, wrapping PostgreSQL's error (SQLSTATE 42501,
-// insufficient_privilege), by EnsurePartitions, DropPartitions and PartitionManager rounds
-// run by a role that does not own the inbox table: creating, attaching, detaching and
-// dropping a partition need the parent table's owner (PostgreSQL's ALTER TABLE ... ATTACH
-// PARTITION and DROP TABLE), which no GRANT gives. Run `watermill-inbox partitions ensure`
-// and `partitions drop` as the owner (from cron), or a PartitionManager on a pool connected
-// as the owner; see docs/retention.md.
-var ErrPartitionOwner = errors.New("pgstore: partition maintenance needs the table's owner")
 
 // ownerError wraps err with ErrPartitionOwner when it is SQLSTATE 42501.
 func ownerError(err error) error {

@@ -2,7 +2,6 @@ package pgstore
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -15,18 +14,6 @@ import (
 
 // The purge of expired rows: one SQL function per table kind, in this file only, so every
 // storage mode (docs/retention.md) extends the purge here.
-
-// DefaultPurgePause is the pause between two purge batches when PurgeExpiredParams.Pause is
-// zero: it lets claims and replication catch up between delete transactions.
-const DefaultPurgePause = 200 * time.Millisecond
-
-// ErrPurgeInProgress is returned by PurgeExpired when another purger (another instance, or
-// the CLI) holds the table's purge lock: exactly one purger runs at a time per inbox table.
-var ErrPurgeInProgress = purge.ErrInProgress
-
-// ErrNoRetention is returned (wrapping inbox.ErrInvalidConfig) by PurgeExpired on a Store
-// whose Config.Retention is not set: the purge never guesses a window.
-var ErrNoRetention = fmt.Errorf("%w: pgstore: no retention window configured (Config.Retention)", inbox.ErrInvalidConfig)
 
 // WatermillTopic names a watermill-sql (v4) topic whose tables the purge covers: the messages
 // table "watermill_<Topic>" and the offsets table "watermill_offsets_<Topic>" (watermill-sql's

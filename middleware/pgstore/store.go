@@ -34,6 +34,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/ident"
+	"github.com/watermill-inbox/watermill-inbox/internal/pgtx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -44,14 +45,20 @@ const (
 	// DefaultPurgeBatchSize is the number of rows Purge deletes per transaction when
 	// PurgeParams.BatchSize is zero.
 	DefaultPurgeBatchSize = 5000
+	// DefaultPurgePause is the pause between two purge batches when PurgeExpiredParams.Pause
+	// is zero.
+	DefaultPurgePause = 200 * time.Millisecond
+	// DiscardBatchSize bounds the dead-lettered records DiscardDeadLetters deletes per
+	// transaction.
+	DiscardBatchSize = 1000
 )
 
 // PostgreSQL SQLSTATE codes the store classifies.
 const (
-	// SQLStateSerializationFailure is serialization_failure (class 40, transaction rollback).
-	SQLStateSerializationFailure = "40001"
-	// SQLStateDeadlockDetected is deadlock_detected (class 40, transaction rollback).
-	SQLStateDeadlockDetected = "40P01"
+	// sqlStateSerializationFailure is serialization_failure (class 40, transaction rollback).
+	sqlStateSerializationFailure = "40001"
+	// sqlStateDeadlockDetected is deadlock_detected (class 40, transaction rollback).
+	sqlStateDeadlockDetected = "40P01"
 )
 
 // Config names the inbox table and holds the PostgreSQL settings of the inbox transaction.
@@ -301,7 +308,7 @@ func (s *Store) Classify(err error) contract.Class {
 		return contract.Other
 	}
 	switch {
-	case pgErr.Code == SQLStateSerializationFailure, pgErr.Code == SQLStateDeadlockDetected:
+	case pgErr.Code == sqlStateSerializationFailure, pgErr.Code == sqlStateDeadlockDetected:
 		return contract.Retryable
 	case strings.HasPrefix(pgErr.Code, "42"), strings.HasPrefix(pgErr.Code, "28"), pgErr.Code == "3D000", pgErr.Code == "3F000":
 		return contract.ConfigFault
@@ -325,25 +332,14 @@ func nullIfEmpty(s string) any {
 	return s
 }
 
-type txKey struct{}
-
 // TxFromContext returns the inbox transaction of the delivery whose context is ctx (the
 // handler's msg.Context()), and false outside an inbox-wrapped handler. Run the handler's
 // business writes on it so they commit or roll back with the claim. Do not end it: the inbox
 // commits after the handler returns. Its Commit and Rollback return ErrTxOwnedByInbox and
 // make the delivery fail (inbox.ErrTxEnded); a nested transaction (Begin, a savepoint) is
-// the handler's to end.
-func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
-	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
-	return tx, ok
-}
-
-// ContextWithTx returns ctx carrying tx where TxFromContext finds it. The store-then-process
-// worker (package middleware/deferred) uses it, so one handler reads its transaction the same
-// way in both modes. Handlers do not need it.
-func ContextWithTx(ctx context.Context, tx pgx.Tx) context.Context {
-	return context.WithValue(ctx, txKey{}, tx)
-}
+// the handler's to end. The store-then-process mode (package deferred) hands its handlers
+// their row's transaction the same way.
+func TxFromContext(ctx context.Context) (pgx.Tx, bool) { return pgtx.From(ctx) }
 
 func deref(s *string) string {
 	if s == nil {
