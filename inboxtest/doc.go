@@ -1,15 +1,14 @@
-// Package inboxtest connects the tests of inbox consumers and broker adapters to the real
-// services they need, and re-runs the test binary as a child process for crash tests. It is
-// public so that an adapter written outside this repository can run package adaptertest's
-// guarantee matrix with the same rules; this repository's own tests reach it through
-// internal/testenv.
+// Package inboxtest is the test kit for a service's inbox consumers: a PostgreSQL schema of
+// their own per test (NewSchema), duplicate and concurrent deliveries of one message
+// (Deliver, DeliverConcurrently), assertions on what the inbox recorded
+// (RequireProcessedOnce, WaitProcessed), and crash tests that SIGKILL a child process at an
+// injected point (StartChild). Package adaptertest's guarantee matrix for broker adapters is
+// built on it.
 //
-// # Services and the -short rule
+// # The database and the -short rule
 //
-// PostgreSQL is found at INBOX_DATABASE_URL (default DefaultDatabaseURL), RabbitMQ at
-// INBOX_AMQP_URL, NATS JetStream at INBOX_NATS_URL and Redis at INBOX_REDIS_URL. A helper that
-// needs one of them (NewSchema, NewPool, RequireAMQP, RequireNATS, RequireRedis) decides what a
-// test does when the service is missing:
+// PostgreSQL is found at INBOX_DATABASE_URL (default DefaultDatabaseURL). A helper that needs
+// it (NewSchema, NewPool) decides what a test does when it is missing:
 //
 //   - under go test -short it skips the test, whether or not the service runs: -short is the
 //     tier that needs no service (unit tests, configuration, in-process Kafka and SQS

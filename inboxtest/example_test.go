@@ -14,9 +14,9 @@ import (
 // delivered three times in a row and five times at once, then the assertion that it was
 // processed once. In a real test, t is the test's *testing.T.
 func Example() {
-	var t *testing.T                 // your test's t
-	sch := inboxtest.NewSchema(t, 8) // a schema of its own, dropped when the test ends
-	store := sch.Store(t)            // migrated
+	var t *testing.T                            // your test's t
+	sch := inboxtest.NewSchema(t, "billing", 8) // a schema of its own, dropped when the test ends
+	store := sch.Store(t)                       // migrated
 	sch.CreateAccounts(t, 1)
 	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: "billing"}, nil)
 	if err != nil {

@@ -17,7 +17,7 @@ import (
 // router: delivered 3 times in a row and 8 times at once, it is applied once and stores one
 // event in the outbox.
 func TestKit(t *testing.T) {
-	sch := inboxtest.NewSchema(t, 12)
+	sch := inboxtest.NewSchema(t, "t", 12)
 	store := sch.Store(t)
 	sch.CreateAccounts(t, 1)
 	ctx := context.Background()

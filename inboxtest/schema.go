@@ -11,12 +11,14 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/ident"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // Schema is a fresh PostgreSQL schema for one test, dropped when the test ends.
 type Schema struct {
-	// Name is the unquoted schema name, e.g. "t_3f9a1c2b7e".
+	// Name is the unquoted schema name, e.g. "billing_3f9a1c2b7e".
 	Name string
 	// URL is DatabaseURL with search_path set to Name, for child processes.
 	URL string
@@ -24,28 +26,34 @@ type Schema struct {
 	Pool *pgxpool.Pool
 }
 
-// NewSchema creates a uniquely named schema in the database at DatabaseURL, returns a pool of
-// maxConns connections whose search_path is that schema, and drops the schema (CASCADE) when t
-// ends. It skips t under -short and fails t when PostgreSQL is unreachable.
-func NewSchema(t testing.TB, maxConns int32) *Schema {
+// NewSchema creates a uniquely named schema, prefix followed by "_" and 10 hex digits, in the
+// database at DatabaseURL, returns a pool of maxConns connections whose search_path is that
+// schema, and drops the schema (CASCADE) when t ends. prefix names the tests' schemas, so a
+// team's own schemas are told apart (letters, digits and underscores, at most 40 bytes). It
+// skips t under -short and fails t when PostgreSQL is unreachable or prefix is not a valid
+// name.
+func NewSchema(t testing.TB, prefix string, maxConns int32) *Schema {
 	t.Helper()
 	SkipShort(t, "PostgreSQL")
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	admin, err := pgx.Connect(ctx, DatabaseURL())
 	if err != nil {
-		t.Fatalf("PostgreSQL is not reachable at INBOX_DATABASE_URL=%q: %v\nif it is down, start it (Debian: pg_ctlcluster <version> main start, or make services); if the database or role is missing, see the README's quick start\n(go test -short runs only the tests that need no service)", Redact(DatabaseURL()), err)
+		t.Fatalf("PostgreSQL is not reachable at INBOX_DATABASE_URL=%q: %v\nif it is down, start it (Debian: pg_ctlcluster <version> main start, or make services); if the database or role is missing, see the README's quick start\n(go test -short runs only the tests that need no service)", redact.ConnString(DatabaseURL()), err)
 	}
 	defer admin.Close(context.Background())
 	var b [5]byte
 	_, _ = rand.Read(b[:])
-	name := "t_" + hex.EncodeToString(b[:])
+	if err := ident.Validate("schema prefix", prefix, 40); err != nil {
+		t.Fatal(err)
+	}
+	name := prefix + "_" + hex.EncodeToString(b[:])
 	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
 		t.Fatalf("create schema: %v", err)
 	}
 	u, err := url.Parse(DatabaseURL())
 	if err != nil {
-		t.Fatalf("parse INBOX_DATABASE_URL %s: invalid URL", Redact(DatabaseURL())) // url.Error would print the password
+		t.Fatalf("parse INBOX_DATABASE_URL %s: invalid URL", redact.ConnString(DatabaseURL())) // url.Error would print the password
 	}
 	q := u.Query()
 	q.Set("search_path", name)
@@ -87,7 +95,7 @@ func NewPool(t testing.TB, dsn string, maxConns int32) *pgxpool.Pool {
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		t.Fatalf("PostgreSQL is not reachable at %q: %v", Redact(dsn), err)
+		t.Fatalf("PostgreSQL is not reachable at %q: %v", redact.ConnString(dsn), err)
 	}
 	t.Cleanup(pool.Close)
 	return pool

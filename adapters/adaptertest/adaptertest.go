@@ -107,7 +107,7 @@ type fixture struct {
 
 func newFixture(t testing.TB, h Harness) *fixture {
 	t.Helper()
-	sch := inboxtest.NewSchema(t, 16)
+	sch := inboxtest.NewSchema(t, "t", 16)
 	store := sch.Store(t)
 	sch.CreateAccounts(t, 5)
 	sch.Exec(t, schemaSQL)

@@ -28,7 +28,7 @@ func Benchmark(b *testing.B, h Harness, handlers int) {
 	if h.Timeout == 0 {
 		h.Timeout = 60 * time.Second
 	}
-	sch := inboxtest.NewSchema(b, 24)
+	sch := inboxtest.NewSchema(b, "bench", 24)
 	store := sch.Store(b)
 	sch.CreateAccounts(b, 1000)
 	var ib *inbox.Inbox

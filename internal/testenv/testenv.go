@@ -15,35 +15,45 @@ import (
 	"os"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/inboxtest"
+	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
+	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 )
 
 // DefaultDatabaseURL is used when INBOX_DATABASE_URL is unset (inboxtest.DefaultDatabaseURL).
 const DefaultDatabaseURL = inboxtest.DefaultDatabaseURL
 
-// DefaultAMQPURL is used when INBOX_AMQP_URL is unset (inboxtest.DefaultAMQPURL).
-const DefaultAMQPURL = inboxtest.DefaultAMQPURL
+// DefaultAMQPURL is used when INBOX_AMQP_URL is unset.
+const DefaultAMQPURL = defaults.AMQPURL
 
-// DefaultNATSURL is used when INBOX_NATS_URL is unset (inboxtest.DefaultNATSURL).
-const DefaultNATSURL = inboxtest.DefaultNATSURL
+// DefaultNATSURL is used when INBOX_NATS_URL is unset.
+const DefaultNATSURL = defaults.NATSURL
 
-// DefaultRedisURL is used when INBOX_REDIS_URL is unset (inboxtest.DefaultRedisURL).
-const DefaultRedisURL = inboxtest.DefaultRedisURL
+// DefaultRedisURL is used when INBOX_REDIS_URL is unset.
+const DefaultRedisURL = defaults.RedisURL
 
 // DatabaseURL returns INBOX_DATABASE_URL or DefaultDatabaseURL.
 func DatabaseURL() string { return inboxtest.DatabaseURL() }
 
 // AMQPURL returns INBOX_AMQP_URL or DefaultAMQPURL.
-func AMQPURL() string { return inboxtest.AMQPURL() }
+func AMQPURL() string { return envOr("INBOX_AMQP_URL", DefaultAMQPURL) }
 
 // NATSURL returns INBOX_NATS_URL or DefaultNATSURL.
-func NATSURL() string { return inboxtest.NATSURL() }
+func NATSURL() string { return envOr("INBOX_NATS_URL", DefaultNATSURL) }
 
 // RedisURL returns INBOX_REDIS_URL or DefaultRedisURL.
-func RedisURL() string { return inboxtest.RedisURL() }
+func RedisURL() string { return envOr("INBOX_REDIS_URL", DefaultRedisURL) }
+
+func envOr(key, def string) string {
+	if v := os.Getenv(key); v != "" {
+		return v
+	}
+	return def
+}
 
 // Schema is a fresh PostgreSQL schema for one test, dropped when the test ends
 // (inboxtest.Schema, with its Store, Exec and CreateAccounts methods).
@@ -54,7 +64,7 @@ type Schema = inboxtest.Schema
 // PostgreSQL is unreachable.
 func NewSchema(t testing.TB, maxConns int32) *Schema {
 	t.Helper()
-	return inboxtest.NewSchema(t, maxConns)
+	return inboxtest.NewSchema(t, "t", maxConns)
 }
 
 // NewPool is inboxtest.NewPool: a pool of maxConns connections on dsn, closed when t ends; it
@@ -70,25 +80,63 @@ func SkipShort(t testing.TB, service string) {
 	inboxtest.SkipShort(t, service)
 }
 
-// RequireAMQP returns AMQPURL; it skips t under -short and fails t when RabbitMQ is
-// unreachable (inboxtest.RequireAMQP).
+// RequireAMQP returns AMQPURL. It skips t under -short, and fails t when RabbitMQ does not
+// accept TCP connections at AMQPURL within 5 s.
 func RequireAMQP(t testing.TB) string {
 	t.Helper()
-	return inboxtest.RequireAMQP(t)
+	SkipShort(t, "RabbitMQ")
+	requireTCP(t, "RabbitMQ", AMQPURL(), "5672", "rabbitmq-server -detached")
+	return AMQPURL()
 }
 
-// RequireNATS returns NATSURL; it skips t under -short and fails t when NATS is unreachable
-// (inboxtest.RequireNATS).
+// RequireNATS returns NATSURL. It skips t under -short, and fails t when the NATS server does
+// not accept TCP connections at NATSURL within 5 s. Whether JetStream is on is checked by the
+// adapter, which fails to connect without it.
 func RequireNATS(t testing.TB) string {
 	t.Helper()
-	return inboxtest.RequireNATS(t)
+	SkipShort(t, "NATS")
+	requireTCP(t, "NATS", NATSURL(), "4222",
+		"nats-server -a 127.0.0.1 -p 4222 -js (JetStream on), e.g. make services")
+	return NATSURL()
 }
 
-// RequireRedis returns RedisURL; it skips t under -short and fails t when Redis is
-// unreachable (inboxtest.RequireRedis).
+// RequireRedis returns RedisURL. It skips t under -short, and fails t when Redis does not
+// accept TCP connections at RedisURL within 5 s.
 func RequireRedis(t testing.TB) string {
 	t.Helper()
-	return inboxtest.RequireRedis(t)
+	SkipShort(t, "Redis")
+	requireTCP(t, "Redis", RedisURL(), "6379",
+		`redis-server --port 6379 --save "" --appendonly no, e.g. make services`)
+	return RedisURL()
+}
+
+// requireTCP fails t unless raw's host (with defaultPort when it names none) accepts a TCP
+// connection; start is the hint printed on how to start the service.
+func requireTCP(t testing.TB, what, raw, defaultPort, start string) {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil || u.Hostname() == "" {
+		t.Fatalf("%s URL %q is not a URL with a host", what, redact.URL(raw))
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host = net.JoinHostPort(u.Hostname(), defaultPort)
+	}
+	c, err := net.DialTimeout("tcp", host, 5*time.Second)
+	if err != nil {
+		t.Fatalf("%s is not reachable at %s: %v\nstart it with: %s\n(go test -short runs only the tests that need no service)", what, host, err, start)
+	}
+	_ = c.Close()
+}
+
+// Redact returns raw with its password removed, for messages; "<unparseable URL>" when raw
+// does not parse.
+func Redact(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparseable URL>"
+	}
+	return u.Redacted()
 }
 
 // Child is a running child test process (inboxtest.Child).

@@ -8,7 +8,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/watermill-inbox/watermill-inbox/inboxtest"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inboxmetrics"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
@@ -17,7 +17,7 @@ import (
 // layout's received_minute (to the minute): a row received 2 hours ago reads as 2 hours old.
 func TestTableCollectorOnTheCompactLayout(t *testing.T) {
 	ctx := context.Background()
-	s := inboxtest.NewSchema(t, 2)
+	s := inboxtest.NewSchema(t, "t", 2)
 	store, err := pgstore.New(s.Pool, pgstore.Config{Schema: s.Name, Layout: pgstore.LayoutCompact})
 	if err != nil {
 		t.Fatal(err)
@@ -26,8 +26,8 @@ func TestTableCollectorOnTheCompactLayout(t *testing.T) {
 		t.Fatal(err)
 	}
 	for range 3 {
-		tx, res, err := store.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuid.NewString(), ConsumerName: "billing"}})
-		if err != nil || !res.Claimed {
+		tx, res, err := store.Claim(ctx, contract.Delivery{Key: contract.Key{MessageID: uuid.NewString(), ConsumerName: "billing"}})
+		if err != nil || res.Decision != contract.Run {
 			t.Fatalf("claim: %+v %v", res, err)
 		}
 		if err := tx.Commit(ctx); err != nil {

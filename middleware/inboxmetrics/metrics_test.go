@@ -109,7 +109,7 @@ func series(t *testing.T, reg *prometheus.Registry) int {
 // outbox, then scrapes the registry: every counter equals what the database and the
 // dead-letter publisher hold, and the table gauges match direct queries.
 func TestScrapeEqualsBusinessTruth(t *testing.T) {
-	s := inboxtest.NewSchema(t, 6)
+	s := inboxtest.NewSchema(t, "t", 6)
 	store := s.Store(t)
 	s.CreateAccounts(t, 5)
 	ctx := context.Background()

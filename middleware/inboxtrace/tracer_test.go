@@ -74,7 +74,7 @@ func spansOf(exp *tracetest.InMemoryExporter, tid trace.TraceID) []tracetest.Spa
 // the handler span, the attributes follow the messaging conventions, the outcome attribute is
 // right, and a dead letter carries the trace on.
 func TestSpansPerOutcome(t *testing.T) {
-	s := inboxtest.NewSchema(t, 4)
+	s := inboxtest.NewSchema(t, "t", 4)
 	store := s.Store(t)
 	s.CreateAccounts(t, 1)
 	tp, exp := newProvider()
