@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -102,7 +101,7 @@ func handlerTx(t testing.TB, tx interface {
 }
 
 // attemptsRow reads k's record in s's attempts table: its count, and false when there is none.
-func attemptsRow(t testing.TB, pool *pgxpool.Pool, s *pgstore.Store, k contract.Key) (int, bool) {
+func attemptsRow(t testing.TB, pool querier, s *pgstore.Store, k contract.Key) (int, bool) {
 	t.Helper()
 	var n int
 	err := pool.QueryRow(context.Background(), "SELECT attempts FROM "+s.AttemptsTable()+" WHERE message_id = $1 AND consumer_name = $2",
@@ -116,8 +115,25 @@ func attemptsRow(t testing.TB, pool *pgxpool.Pool, s *pgstore.Store, k contract.
 	return n, true
 }
 
+// querier is a pool or a connection.
+type querier interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}
+
+// sideConn is a connection to sch outside its pool, for reads while the pool's connections
+// are all in use; closed when t ends.
+func sideConn(t testing.TB, url string) *pgx.Conn {
+	t.Helper()
+	c, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c
+}
+
 // claimRows counts the rows of s's inbox table whose message ID is id.
-func claimRows(t testing.TB, pool *pgxpool.Pool, s *pgstore.Store, id string) int {
+func claimRows(t testing.TB, pool querier, s *pgstore.Store, id string) int {
 	t.Helper()
 	var n int
 	if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.Table()+" WHERE message_id::text = $1", id).Scan(&n); err != nil {
@@ -127,9 +143,7 @@ func claimRows(t testing.TB, pool *pgxpool.Pool, s *pgstore.Store, id string) in
 }
 
 // advisoryLocks counts the advisory locks the session running the query holds.
-func advisoryLocks(t testing.TB, q interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}) int {
+func advisoryLocks(t testing.TB, q querier) int {
 	t.Helper()
 	var n int
 	if err := q.QueryRow(context.Background(), "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()").Scan(&n); err != nil {

@@ -91,7 +91,8 @@ func TestBatchWithAHeldKeyTakesNoLockAway(t *testing.T) {
 					t.Fatalf("member %d: %s, want %s", i, decisionName(cs[i].Decision), decisionName(want))
 				}
 			}
-			if n, _ := attemptsRow(t, sch.Pool, s, k.claim("m-a").Key); n != 1 {
+			// The pool's two connections are in use: read on a connection of its own.
+			if n, _ := attemptsRow(t, sideConn(t, sch.URL), s, k.claim("m-a").Key); n != 1 {
 				t.Fatalf("m-a counted %d times in the batch, want once", n)
 			}
 			if err := bt.Rollback(ctx); err != nil {
@@ -144,7 +145,7 @@ func TestCountedCommitClearsAndUnlocksInEveryLayout(t *testing.T) {
 			if c.Attempts != 1 || c.LastError != "boom" {
 				t.Fatalf("second claim: %+v, want 1 earlier attempt and its error", c)
 			}
-			if n, _ := attemptsRow(t, sch.Pool, s, p.Key); n != 2 {
+			if n, _ := attemptsRow(t, sideConn(t, sch.URL), s, p.Key); n != 2 { // the pool's one connection is the claim's
 				t.Fatalf("%d attempts while the second delivery runs, want 2 (counted first)", n)
 			}
 			if err := tx.Commit(ctx); err != nil {
