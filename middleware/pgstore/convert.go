@@ -119,7 +119,9 @@ $convert$;
 `, period, old, strings.ReplaceAll(dst.table, "'", "''"), quoteLiteral(dst.cfg.Schema), quoteLiteral(name), format, step)
 	}
 	if dst.cfg.Layout == LayoutCompact {
-		fmt.Fprintf(&b, "INSERT INTO %s (consumer_name) SELECT DISTINCT consumer_name FROM %s ORDER BY 1 ON CONFLICT DO NOTHING;\n", dst.consumers, old)
+		n := dst.names
+		n.Old = old
+		b.WriteString(renderQuery("convert_consumers", n).sql)
 		// The hash's first 2 bytes as a signed big-endian smallint; the minute received.
 		cols := "message_id, consumer_id, payload_hash, received_minute"
 		vals := "o.message_id::uuid, c.consumer_id, CASE WHEN length(o.payload_hash) >= 2 THEN (('x' || encode(substring(o.payload_hash FROM 1 FOR 2), 'hex') || '0000')::bit(32)::integer >> 16)::smallint END," +

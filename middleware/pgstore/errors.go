@@ -13,16 +13,17 @@ import (
 var (
 	// ErrKeyNotUUID: a key that is not a canonical lowercase UUID, claimed on a store with
 	// LayoutCompact. It also wraps inbox.ErrInvalidKey.
-	ErrKeyNotUUID = errors.New("pgstore: the compact layout stores message IDs as the uuid type and needs a canonical lowercase UUID (36 characters)")
+	ErrKeyNotUUID = errors.New("pgstore: key is not a canonical lowercase UUID (compact layout)")
 	// ErrKeyNotUUIDv7: a key that is not a canonical lowercase UUIDv7, claimed on a store
 	// partitioned with ProducerTimeFromKey. It also wraps inbox.ErrInvalidKey.
-	ErrKeyNotUUIDv7 = errors.New("pgstore: partitioned by the timestamp of UUIDv7 keys, and the key is not a canonical lowercase UUIDv7")
+	ErrKeyNotUUIDv7 = errors.New("pgstore: key is not a canonical lowercase UUIDv7 (partitioned by key time)")
 	// ErrNoProducerTime: partitioned mode without a stable producer time (at New: no
 	// Partitioning.ProducerTime; at a claim with ProducerTimeFromClaim: no producer time).
-	ErrNoProducerTime = errors.New("pgstore: partitioned mode needs a stable producer time: set Partitioning.ProducerTime to ProducerTimeFromKey (message IDs are UUIDv7; their embedded timestamp) or ProducerTimeFromClaim (inbox.Config.ProducerTime reads a producer-set timestamp from metadata)")
+	ErrNoProducerTime = errors.New("pgstore: no stable producer time for partitioned mode")
 	// ErrNoPartition: the partition for a claim's producer time does not exist (PostgreSQL
 	// SQLSTATE 23514, "no partition of relation ... found for row"). Nothing was claimed; the
-	// delivery is nacked. Run PartitionManager, or `watermill-inbox partitions ensure`.
+	// delivery is nacked. Create it as the table's owner: `watermill-inbox partitions ensure`
+	// from cron, or a PartitionManager on the owner's pool (docs/retention.md).
 	ErrNoPartition = errors.New("pgstore: no partition for the message's producer time")
 
 	// ErrSchemaNotCurrent is wrapped by every *SchemaError: errors.Is(err, ErrSchemaNotCurrent)
@@ -33,14 +34,14 @@ var (
 	// handler: the inbox ends it after the handler returns. The call also makes the delivery fail
 	// with inbox.ErrTxEnded (nacked, and counted as the message's failure), since a handler that
 	// meant to end its transaction cannot have its work committed.
-	ErrTxOwnedByInbox = errors.New("pgstore: the inbox transaction is ended by the inbox, not by the handler")
+	ErrTxOwnedByInbox = errors.New("pgstore: the inbox transaction is the inbox's to end")
 
 	// ErrClaimInFlight is wrapped by a claim's error when its key stayed claimed by another
 	// delivery until the claim's context ended (the inbox's ClaimTimeout) or, with
 	// Config.LockTimeout set, past LockTimeout. The claim held no pool connection while it waited
 	// and counted nothing: the inbox nacks it without using up an attempt, and the redelivery is
 	// a duplicate once the delivery in flight commits. The error also wraps the context's error.
-	ErrClaimInFlight = errors.New("pgstore: the key is claimed by a delivery in flight")
+	ErrClaimInFlight = errors.New("pgstore: key claimed by a delivery in flight")
 
 	// ErrWaitingForConnection is wrapped by a claim's error when its context ended while it
 	// waited for a pool connection (every connection in use: size pgxpool's pool_max_conns to the

@@ -14,10 +14,10 @@ import (
 // migrations:
 //
 //   - USAGE on the schema (not CREATE: the role cannot create tables);
-//   - SELECT, INSERT, DELETE on the inbox table: the claim (INSERT ... ON CONFLICT DO
+//   - SELECT, INSERT, DELETE on the inbox table: the claim (INSERT ... DO
 //     NOTHING), the stored payload hash of a duplicate (SELECT), Purge (DELETE);
 //   - SELECT, INSERT, UPDATE, DELETE on the attempts table: the durable attempt count
-//     (INSERT ... ON CONFLICT DO UPDATE), dead-letter marks, Replay;
+//     (INSERT ... DO UPDATE), dead-letter marks, Replay;
 //   - SELECT on the version table: CheckSchema, and Migrate when nothing is pending;
 //   - in the compact layout (cfg.Layout), SELECT, INSERT on the consumers table: a consumer
 //     name is registered by its first claim.

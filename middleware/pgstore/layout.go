@@ -117,7 +117,7 @@ func validateLayout(cfg Config) error {
 			return fmt.Errorf("%w: pgstore: unknown partition interval %d", inbox.ErrInvalidConfig, p.Interval)
 		}
 		if p.ProducerTime != ProducerTimeFromKey && p.ProducerTime != ProducerTimeFromClaim {
-			return fmt.Errorf("%w: %w", inbox.ErrInvalidConfig, ErrNoProducerTime)
+			return fmt.Errorf("%w: %w: set Partitioning.ProducerTime to ProducerTimeFromKey (UUIDv7 keys) or ProducerTimeFromClaim (inbox.Config.ProducerTime)", inbox.ErrInvalidConfig, ErrNoProducerTime)
 		}
 	}
 	return nil
@@ -274,7 +274,7 @@ func (s *Store) ReceivedAtSQL() string {
 func (s *Store) wrapNoPartition(err error, period time.Time) error {
 	var pgErr *pgconn.PgError
 	if s.cfg.Partitioning != nil && errors.As(err, &pgErr) && pgErr.Code == "23514" {
-		return fmt.Errorf("%w: period %s of %s (create it: PartitionManager or `watermill-inbox partitions ensure`): %w",
+		return fmt.Errorf("%w: period %s of %s (create it as the table's owner: watermill-inbox partitions ensure, or a PartitionManager on the owner's pool): %w",
 			ErrNoPartition, period.Format(time.RFC3339), s.table, err)
 	}
 	return err

@@ -128,7 +128,7 @@ func MigrationSQL(cfg Config) (string, error) {
 // partitioned exactly when the store is, and the layout's time column (received_at
 // timestamptz in the text layout, received_minute integer in the compact one since migration
 // 0003). CREATE TABLE IF NOT EXISTS adopts an existing table of that name whatever its shape,
-// and the claim's ON CONFLICT needs that index (without it every claim fails with SQLSTATE
+// and the claim's conflict target needs that index (without it every claim fails with SQLSTATE
 // 42P10). A table of another layout gets an error wrapping inbox.ErrInvalidConfig that points
 // to the conversion (LayoutMigrationSQL, `watermill-inbox layout convert`).
 func (s *Store) verifyKey(ctx context.Context, tx pgx.Tx) error {

@@ -30,6 +30,7 @@ var queryTemplates = template.Must(template.ParseFS(queryFiles, "queries/*.sql")
 type queryNames struct {
 	Table, Attempts, Consumers string
 	Compact, Partitioned       bool
+	Old                        string // the table a layout conversion copies from
 }
 
 // query is one rendered statement: its SQL with positional parameters and the names of its
