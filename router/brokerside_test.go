@@ -13,6 +13,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -41,7 +42,7 @@ func TestEveryAdapterFieldRefusedWithoutMap(t *testing.T) {
 	}
 	// The fields the adapters write into metadata are removed from dead letters.
 	for _, f := range []string{wamqp.MetadataRedeliveredKey, "x-delivery-count", "x-death", nats.NumDeliveredKey, sqs.ReceiveCountKey, sqs.SequenceNumberKey} {
-		if !inbox.IsBrokerSideField(f) {
+		if !brokerside.IsDeliveryState(f) {
 			t.Errorf("IsBrokerSideField(%q) = false", f)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
+	"github.com/watermill-inbox/watermill-inbox/internal/brokerside"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -202,8 +203,8 @@ func TestBrokerSideFieldsAreRefused(t *testing.T) {
 				t.Errorf("inbox.MetadataKey(%q, kafka.BrokerSideFields) = %v, want ErrBrokerSideKey", variant, err)
 			}
 		}
-		if !inbox.IsBrokerSideField(name, kafka.BrokerSideFields) {
-			t.Errorf("inbox.IsBrokerSideField(%q, kafka.BrokerSideFields) = false", name)
+		if !brokerside.IsDeliveryState(name, kafka.BrokerSideFields) {
+			t.Errorf("brokerside.IsDeliveryState(%q, kafka.BrokerSideFields) = false", name)
 		}
 		_, err := inbox.MetadataKey(name)
 		switch {

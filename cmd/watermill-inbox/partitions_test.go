@@ -11,8 +11,8 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
-	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
@@ -64,8 +64,8 @@ func TestPartitionsCommands(t *testing.T) {
 		t.Fatalf("partitions ensure: %v\n%s", err, out)
 	}
 	claim := func(at time.Time) {
-		tx, res, err := store.Claim(ctx, inbox.ClaimParams{Key: inbox.Key{MessageID: uuidV7At(t, at), ConsumerName: "billing"}})
-		if err != nil || !res.Claimed {
+		tx, res, err := store.Claim(ctx, contract.Delivery{Key: contract.Key{MessageID: uuidV7At(t, at), ConsumerName: "billing"}})
+		if err != nil || res.Decision != contract.Run {
 			t.Fatalf("claim at %s: %+v %v", at, res, err)
 		}
 		if err := tx.Commit(ctx); err != nil {

@@ -691,8 +691,8 @@ func TestMigrationCompactRowV2(t *testing.T) {
 			// The stored hash is the first 2 bytes of the old row's 4-byte prefix.
 			var stored int16
 			if err := sch.Pool.QueryRow(ctx, "SELECT payload_hash FROM "+s.Table()+" WHERE message_id = $1::uuid", id).Scan(&stored); err != nil ||
-				uint16(stored) != binary.BigEndian.Uint16(h[:pgstore.CompactHashBytes]) {
-				t.Fatalf("old message %d after 0003: stored hash %04x (%v), want %x", i, uint16(stored), err, h[:pgstore.CompactHashBytes])
+				uint16(stored) != binary.BigEndian.Uint16(h[:2]) {
+				t.Fatalf("old message %d after 0003: stored hash %04x (%v), want %x", i, uint16(stored), err, h[:2])
 			}
 			other := hashOf(i + 1)
 			if string(other[:2]) == string(h[:2]) {
