@@ -56,6 +56,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	_ "github.com/watermill-inbox/watermill-inbox/adapters/all" // the demo takes every broker by name
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
@@ -134,8 +136,8 @@ func parseFlags(args []string) (options, error) {
 	switch {
 	case o.role != roleOrchestrator && o.role != roleConsumer:
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
-	case !slices.Contains(router.Brokers, o.broker):
-		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(router.Brokers, ", "))
+	case !slices.Contains(adapters.Registered(), o.broker):
+		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(adapters.Registered(), ", "))
 	case !slices.Contains(router.Modes, o.mode):
 		return o, fmt.Errorf("-mode=%q: want one of %s", o.mode, strings.Join(router.Modes, ", "))
 	case o.soak && o.mode != router.ModeImmediate:

@@ -123,7 +123,7 @@ func peerModes() []peerMode {
 			}
 			return ib.Middleware, nil
 		}},
-		// The chart (internal/cmd/benchchart) draws a line for every <mode>-msg/s metric.
+		// The chart (tests/bench/cmd/benchchart) draws a line for every <mode>-msg/s metric.
 	}
 	want := map[string]bool{}
 	for _, m := range strings.Split(*peerModesFlag, ",") {
