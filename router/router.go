@@ -23,6 +23,7 @@ package router
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -257,9 +258,12 @@ type Router struct {
 	ws     []*deferred.Workers // store-then-process workers, run with the router
 	wsRun  bool                // the workers were started
 	mu     sync.Mutex
-	subs   map[string]message.Subscriber // consumer group -> its subscriber
-	names  map[string]int                // consumer name -> handlers added for it
-	topics map[string]string             // topic -> consumer name, on a broker without fan-out
+	// Watermill's Close waits its CloseTimeout (30 s) for every added handler that never ran:
+	// Close skips it when the router was never run, or Run failed before the router ran.
+	runCalled, startFailed, closed bool
+	subs                           map[string]message.Subscriber // consumer group -> its subscriber
+	names                          map[string]int                // consumer name -> handlers added for it
+	topics                         map[string]string             // topic -> consumer name, on a broker without fan-out
 }
 
 // New builds the broker and a router whose router-level middleware is, outermost first,
@@ -385,7 +389,14 @@ func (r *Router) AddPublishingConsumer(ib *inbox.Inbox, topic, publishTopic stri
 // Close closes the router, then the consumers' subscribers, then the broker, and returns the
 // first error.
 func (r *Router) Close() error {
-	err := r.Router.Close()
+	r.mu.Lock()
+	running := r.runCalled && !r.startFailed
+	r.closed = true
+	r.mu.Unlock()
+	var err error
+	if running {
+		err = r.Router.Close()
+	}
 	r.closeWorkers()
 	r.mu.Lock()
 	subs := r.subs
@@ -402,5 +413,29 @@ func (r *Router) Close() error {
 	return err
 }
 
-// Run runs the router until ctx is cancelled or Close is called.
-func (r *Router) Run(ctx context.Context) error { r.runWorkers(ctx); return r.Router.Run(ctx) }
+// Run runs the router until ctx is cancelled or Close is called. A subscription that fails
+// (an unreachable broker, a postgres topic whose table or grant is missing) makes it return at
+// once with that error, wrapped without the stack frames Watermill attaches; Close then
+// returns at once too.
+func (r *Router) Run(ctx context.Context) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return errors.New("router: closed")
+	}
+	r.runCalled = true
+	r.mu.Unlock()
+	r.runWorkers(ctx)
+	err := r.Router.Run(ctx)
+	if err == nil {
+		return nil
+	}
+	select {
+	case <-r.Router.Running():
+	default: // failed before running: no handler of Watermill's is left to wait for
+		r.mu.Lock()
+		r.startFailed = true
+		r.mu.Unlock()
+	}
+	return fmt.Errorf("router: %w", err) // fmt's wrapping prints no stack frames with %+v
+}
