@@ -5,7 +5,7 @@
 // once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
 // and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run ./examples/billing [-broker=postgres|amqp|kafka|sqs|nats|redis] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
+//	go run . [-broker=postgres|amqp|kafka|sqs|nats|redis] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
 // inbox and the outbox into it, creates the accounts (one of them frozen), publishes the

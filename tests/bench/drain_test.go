@@ -190,7 +190,7 @@ func addInbox(e *drainEnv, r *router.Router, topic string, handlers int, cfg inb
 // under the same machine load. Each message is acked only after its transaction committed.
 // SQS (goaws, an emulator) drains a quarter of -backlog.
 //
-//	go test ./tests/bench -run '^$' -bench BacklogDrain -benchtime 1x -count 3 -backlog 5000
+//	cd tests/bench && go test . -run '^$' -bench BacklogDrain -benchtime 1x -count 3 -backlog 5000
 func BenchmarkBacklogDrain(b *testing.B) {
 	for _, name := range strings.Split(*brokersFlag, ",") {
 		b.Run("broker="+strings.TrimSpace(name), func(b *testing.B) { benchDrain(b, strings.TrimSpace(name)) })

@@ -168,7 +168,7 @@ func deliveryCounts(b *testing.B) []int {
 // the extra ones wait for a connection, as they would in a service whose pool is sized for its
 // database rather than for its consumer's concurrency.
 //
-//	go test ./tests/bench -run '^$' -bench Peers -benchtime 2000x -count 3
+//	cd tests/bench && go test . -run '^$' -bench Peers -benchtime 2000x -count 3
 func BenchmarkPeers(b *testing.B) {
 	for _, n := range deliveryCounts(b) {
 		b.Run(fmt.Sprintf("deliveries=%d", n), func(b *testing.B) { benchPeers(b, n) })

@@ -73,7 +73,7 @@ func TestAdapterSettingsReachTheAdapter(t *testing.T) {
 		t.Fatal(err)
 	}
 	if got := attrs.Attributes["VisibilityTimeout"]; got != "7" {
-		t.Errorf("queue VisibilityTimeout = %q, want 7 (from Config.SQS.QueueAttributes)", got)
+		t.Errorf("queue VisibilityTimeout = %q, want 7 (from the settings' QueueAttributes)", got)
 	}
 	_, _ = client.DeleteQueue(ctx, &awssqs.DeleteQueueInput{QueueUrl: u.QueueUrl})
 }
