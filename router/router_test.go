@@ -1,12 +1,17 @@
 package router_test
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -36,7 +41,8 @@ func init() {
 				return nil, err
 			}
 			opened = append(opened, spec)
-			return &adapters.Broker{Name: "fake"}, nil
+			ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+			return &adapters.Broker{Name: "fake", Publisher: ch, Subscriber: ch}, nil
 		},
 	})
 }
@@ -92,6 +98,46 @@ func TestNewBrokerPassesTheSpec(t *testing.T) {
 	cfg.Settings = map[string]any{"fake": "a string"}
 	if _, err := router.NewBroker(cfg, nil, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Errorf("settings of the wrong type: %v", err)
+	}
+}
+
+// failingSubscriber refuses every subscription, as a broker with a missing table or grant does.
+type failingSubscriber struct{}
+
+func (failingSubscriber) Subscribe(context.Context, string) (<-chan *message.Message, error) {
+	return nil, errors.New("no such topic")
+}
+func (failingSubscriber) Close() error { return nil }
+
+// TestFailedStartReturnsAtOnce: Watermill's Close waits its CloseTimeout (30 s) for every added
+// handler that never ran; the router's Close does not, after a Run that failed to subscribe or
+// without a Run; Run's error prints no stack frame with %+v.
+func TestFailedStartReturnsAtOnce(t *testing.T) {
+	for _, run := range []bool{true, false} {
+		r, err := router.New(router.Config{Broker: "fake"}, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.AddConsumerHandler("h", "topic", failingSubscriber{}, func(*message.Message) error { return nil })
+		start := time.Now()
+		if run {
+			err := r.Run(context.Background())
+			if err == nil || strings.Contains(fmt.Sprintf("%+v", err), ".go:") {
+				t.Errorf("Run = %+v; want the subscription's error without stack frames", err)
+			}
+		}
+		if err := r.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+		if took := time.Since(start); took > 5*time.Second {
+			t.Errorf("run %v: Run and Close took %v", run, took)
+		}
+		if run {
+			continue
+		}
+		if err := r.Run(context.Background()); err == nil {
+			t.Error("Run after Close succeeded")
+		}
 	}
 }
 
