@@ -27,7 +27,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "postgres"
 
 // BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal (the
