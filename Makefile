@@ -1,5 +1,10 @@
 # watermill-inbox: the two commands of the README are `make demo` and `make test`.
+# Modules: the root (the library, cmd/, tests/) and three that keep an emulator or a benchmark
+# tool out of the root go.mod: adapters/sqs/sqstest (goaws, the sqs adapter's tests),
+# examples/billing (the demo) and tests/bench (River, golang.org/x/perf). Each has a replace
+# directive to this checkout.
 GO     ?= go
+MODULES = adapters/sqs/sqstest examples/billing tests/bench
 BROKER ?= postgres
 MODE   ?= immediate
 
@@ -9,15 +14,18 @@ MODE   ?= immediate
 ## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process;
 ## MODE=immediate|store-then-process, the inbox mode).
 demo:
-	$(GO) run ./examples/billing -broker=$(BROKER) -mode=$(MODE)
+	cd examples/billing && $(GO) run . -broker=$(BROKER) -mode=$(MODE)
 
 ## test: vet, then every test against the real PostgreSQL, RabbitMQ, NATS and Redis, with the race
 ## detector, including the two that restart the machine's PostgreSQL cluster and RabbitMQ node
 ## (INBOX_TEST_RESTART_SERVICES=1; a plain `go test ./...` skips them). Packages run one at a
-## time (-p 1): a restart must not overlap with another package's tests. The alert rules'
-## unit tests (rules) run first.
+## time (-p 1): a restart must not overlap with another package's tests. Then the tests of the
+## other modules: the sqs adapter and the router on goaws, and tests/bench's (the chart's; its
+## benchmarks run only with the bench-* targets). The alert rules' unit tests (rules) run first.
 test: vet rules
 	INBOX_TEST_RESTART_SERVICES=1 $(GO) test -race -count=1 -p 1 -timeout 20m ./...
+	cd adapters/sqs/sqstest && $(GO) test -race -count=1 -p 1 -timeout 10m ./...
+	cd tests/bench && $(GO) test -race -count=1 -timeout 5m ./...
 	# The RabbitMQ restart test, built without -race: the reconnect of watermill-amqp v3.0.2
 	# has a data race of its own (see tests/rabbitrestart_test.go).
 	INBOX_TEST_RESTART_SERVICES=1 $(GO) test -count=1 -timeout 5m -run '^TestRabbitMQRestartMidStream$$' ./tests/
@@ -25,9 +33,12 @@ test: vet rules
 ## test-short: the tier that needs no service (unit tests, configuration, in-process Kafka and SQS).
 test-short:
 	$(GO) test -short -count=1 ./...
+	cd adapters/sqs/sqstest && $(GO) test -short -count=1 ./...
+	cd tests/bench && $(GO) test -short -count=1 ./...
 
 vet:
 	$(GO) vet ./...
+	for m in $(MODULES); do (cd $$m && $(GO) vet ./...) || exit 1; done
 
 ## rules: check the Prometheus alert and recording rules and run their unit tests (promtool,
 ## from Debian's prometheus package; `make services` installs it when it is missing).
@@ -55,7 +66,7 @@ bench-relay:
 
 ## soak: the billing consumer SIGKILLed every 5-20 s over 100,000 payments (long; never in CI).
 soak:
-	$(GO) run ./examples/billing -broker=$(BROKER) -soak -messages=100000 -timeout=2h
+	cd examples/billing && $(GO) run . -broker=$(BROKER) -soak -messages=100000 -timeout=2h
 .PHONY: bench-drain bench-peers bench-chart bench-cost bench-stp
 
 ## bench-drain: per broker, the drain of a pre-published backlog: no database (raw), a bare
@@ -63,18 +74,18 @@ soak:
 ## 2 busy cores; docs/benchmarks.md "Per broker: draining a backlog").
 BACKLOG ?= 2000
 bench-drain:
-	$(GO) test ./tests/bench -run '^$$' -bench BacklogDrain -benchtime 1x -count 3 -backlog $(BACKLOG)
+	cd tests/bench && $(GO) test . -run '^$$' -bench BacklogDrain -benchtime 1x -count 3 -backlog $(BACKLOG)
 
 ## bench-peers: Watermill's Deduplicator, the bare transaction and the inbox on GoChannel at 1,
 ## 8, 32 and 128 concurrent deliveries; keeps the output in docs/img/peers.txt and redraws
 ## docs/img/throughput.svg from it.
 bench-peers:
-	$(GO) test ./tests/bench -run '^$$' -bench Peers -benchtime 2000x -count 3 | tee docs/img/peers.txt
+	cd tests/bench && $(GO) test . -run '^$$' -bench Peers -benchtime 2000x -count 3 | tee ../../docs/img/peers.txt
 	$(MAKE) bench-chart
 
 ## bench-chart: redraw docs/img/throughput.svg from the kept output of bench-peers.
 bench-chart:
-	$(GO) run ./internal/cmd/benchchart -in docs/img/peers.txt -out docs/img/throughput.svg
+	cd tests/bench && $(GO) run ./cmd/benchchart -in ../../docs/img/peers.txt -out ../../docs/img/throughput.svg
 
 ## bench-cost: what the middleware itself costs per delivery (no I/O store): time,
 ## allocations and bytes, and a CPU profile of the 8-delivery benchmark on PostgreSQL.
@@ -86,7 +97,7 @@ bench-cost:
 ## bench-stp: store-then-process against River (a unique job per message, worked by River's
 ## workers), with the immediate inbox as the reference row, at 1, 8, 32 and 128 deliveries.
 bench-stp:
-	$(GO) test ./tests/bench -run '^$$' -bench StoreThenProcess -benchtime 1000x -count 3
+	cd tests/bench && $(GO) test . -run '^$$' -bench StoreThenProcess -benchtime 1000x -count 3
 
 .PHONY: bench-recovery bench-vacuum
 ## bench-recovery: per broker, how long a consumer group stands still after a consumer process is

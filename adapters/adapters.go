@@ -1,8 +1,10 @@
 // Package adapters holds one package per message broker. Each builds a Watermill Publisher
 // and Subscribers from its configuration and declares which metadata fields its broker sets to
-// describe a delivery (never a message ID). Package router picks one by configuration, so a
-// handler moves from one broker to another without a code change; package adaptertest is the
-// guarantee matrix every adapter passes.
+// describe a delivery (never a message ID). Each adapter registers a Driver under its name
+// when it is imported (Register, as database/sql drivers do); package router picks a
+// registered one by configuration, so a handler moves from one broker to another without a
+// code change, and a program links only the adapters it imports (package adapters/all imports
+// every one). Package adaptertest is the guarantee matrix every adapter passes.
 //
 // # Consumer groups
 //
@@ -56,6 +58,10 @@ type Broker struct {
 	// inbox.RedeliveryUnknown when it gives no trustworthy signal. Never nil for a Broker an
 	// adapter built. docs/adapters.md tabulates the signal and its worth per broker.
 	Redelivery inbox.RedeliveryFunc
+	// SubscribeInitialize asks package router to call SubscribeInitialize(topic) on a consumer
+	// group's subscriber when a consumer is added, so the broker keeps for the group what is
+	// published before the router runs (amqp: the group's queue is declared and bound).
+	SubscribeInitialize bool
 	// Closers run by Close after the publisher and subscriber, e.g. a connection pool the
 	// adapter opened itself.
 	Closers []func() error

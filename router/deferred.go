@@ -141,18 +141,18 @@ func (r *Router) closeWorkers() {
 }
 
 // AddModeHandler is AddModeConsumer for a handler that returns messages for publishTopic: in
-// the immediate mode NewInbox(icfg) and AddHandler; in the store-then-process mode the
+// the immediate mode NewInbox(icfg) and AddPublishingConsumer; in the store-then-process mode the
 // deferred inbox built as AddModeConsumer builds it, with dcfg.PublishTopic set to publishTopic
 // (when unset), whose Workers write h's messages through the Outbox (icfg.Outbox when
 // dcfg.Outbox is unset) in each row's transaction. It returns the *inbox.Inbox or the
-// *deferred.Inbox. Errors: those of NewInbox, deferred.New and AddHandler.
+// *deferred.Inbox. Errors: those of NewInbox, deferred.New and AddPublishingConsumer.
 func (r *Router) AddModeHandler(icfg inbox.Config, dcfg deferred.Config, topic, publishTopic string, h message.HandlerFunc, logger watermill.LoggerAdapter) (any, *message.Handler, error) {
 	if r.Mode() == ModeImmediate {
 		ib, err := r.NewInbox(icfg, logger)
 		if err != nil {
 			return nil, nil, err
 		}
-		handler, err := r.AddHandler(ib, topic, publishTopic, h)
+		handler, err := r.AddPublishingConsumer(ib, topic, publishTopic, h)
 		return ib, handler, err
 	}
 	if dcfg.PublishTopic == "" {

@@ -1,6 +1,11 @@
 // Package router builds a Watermill router for inbox-wrapped handlers from configuration: the
 // broker is a configuration value (INBOX_BROKER, or a JSON file), so a handler moves between
 // PostgreSQL, RabbitMQ, Kafka, SQS, NATS JetStream and Redis Streams without a code change.
+// A broker name is known once its adapter package is imported (it registers itself, as
+// database/sql drivers do): import the adapters you may configure, or adapters/all for every
+// one. The router links no broker client of its own.
+//
+//	import _ "github.com/watermill-inbox/watermill-inbox/adapters/amqp" // registers "amqp"
 //
 //	cfg, err := router.ConfigFromEnv()        // INBOX_BROKER=amqp INBOX_BROKER_URL=amqp://...
 //	r, err := router.New(cfg, pool, logger)
@@ -17,8 +22,10 @@ package router
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -28,34 +35,28 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/adapters"
-	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
-	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
-	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
-	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
-	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
-	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
-	"github.com/watermill-inbox/watermill-inbox/internal/defaults"
 	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Brokers lists the broker names New accepts.
-var Brokers = []string{postgres.Name, amqp.Name, kafka.Name, sqs.Name, nats.Name, redis.Name}
+// DefaultBroker is the broker of a Config that names none.
+const DefaultBroker = "postgres"
 
 // Config selects and addresses the broker.
 type Config struct {
-	// Broker is the adapter's name: "postgres" (default), "amqp", "kafka", "sqs", "nats" or
-	// "redis".
+	// Broker is a registered adapter's name (adapters.Registered): "postgres" (default),
+	// "amqp", "kafka", "sqs", "nats" or "redis" once its adapter package is imported.
 	Broker string `json:"broker"`
-	// URL is the broker's address. For "postgres" it is unused: the pool passed to New is
-	// the broker. For "amqp" it is the AMQP URI. For "kafka" it is the bootstrap brokers,
-	// comma-separated host:port, optionally behind kafka:// (kafka://k1:9092,k2:9092). For
-	// "sqs" it is optional: an endpoint that replaces the one AWS resolves from the region
-	// (e.g. a local SQS-compatible endpoint); region and credentials come from the AWS SDK's
-	// default resolution (AWS_REGION, AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...). For
-	// "nats" it is the NATS URL (nats://127.0.0.1:4222), for "redis" the Redis URL
-	// (redis://127.0.0.1:6379/0).
+	// URL is the broker's address, as the adapter reads it (its package's Driver doc). For
+	// "postgres" it is unused: the pool passed to New is the broker. For "amqp" it is the AMQP
+	// URI. For "kafka" it is the bootstrap brokers, comma-separated host:port, optionally
+	// behind kafka:// (kafka://k1:9092,k2:9092). For "sqs" it is optional: an endpoint that
+	// replaces the one AWS resolves from the region (e.g. a local SQS-compatible endpoint);
+	// region and credentials come from the AWS SDK's default resolution (AWS_REGION,
+	// AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles...). For "nats" it is the NATS URL
+	// (nats://127.0.0.1:4222), for "redis" the Redis URL (redis://127.0.0.1:6379/0). Empty:
+	// the adapter's local default (amqp, nats, redis).
 	URL string `json:"url"`
 	// ConsumerGroupPrefix is prepended to each consumer name to name its consumer group
 	// (amqp: the queue "<topic>_<group>"; postgres: the offset row; kafka: the consumer group;
@@ -75,27 +76,15 @@ type Config struct {
 	// Environment: INBOX_MODE.
 	Mode string `json:"mode"`
 
-	// Postgres, AMQP, Kafka, SQS, NATS and Redis, when set, hold the settings of that
-	// broker's adapter beyond the address and the consumer group (timings, concurrency,
-	// queue arguments): NewBroker copies the one of the configured broker, fills in what the
-	// fields above decide (Pool, URL, Brokers, ConsumerGroup, the SQS endpoint and protocol)
-	// and passes it to the adapter's New. Nil: the adapter's defaults. They are set in code,
-	// never read from JSON or the environment.
-	Postgres *postgres.Config `json:"-"`
-	// AMQP: see Postgres.
-	AMQP *amqp.Config `json:"-"`
-	// Kafka: see Postgres.
-	Kafka *kafka.Config `json:"-"`
-	// SQS: see Postgres. When its AWSConfig has a Region, that AWS configuration replaces the
-	// SDK's default resolution; its OptFns run before the endpoint and protocol of URL and
-	// SQSQueryProtocol.
-	SQS *sqs.BrokerConfig `json:"-"`
-	// NATS: see Postgres.
-	NATS *nats.Config `json:"-"`
-	// Redis: see Postgres.
-	Redis  *redis.Config `json:"-"`
-	source int           // sourceCode, sourceEnv or sourceJSON
-	path   string        // the JSON file, for sourceJSON
+	// Settings maps a broker name to that adapter's own settings beyond the address and the
+	// consumer group (timings, concurrency, queue arguments): a postgres.Config, amqp.Config,
+	// kafka.Config, sqs.BrokerConfig, nats.Config or redis.Config, as a value or a pointer.
+	// NewBroker passes the configured broker's entry to its adapter, which fills in what the
+	// fields above decide (Pool, URL, Brokers, ConsumerGroup, the SQS endpoint and protocol).
+	// No entry: the adapter's defaults. Set in code, never read from JSON or the environment.
+	//
+	//	cfg.Settings = map[string]any{amqp.Name: amqp.Config{Prefetch: 8}}
+	Settings map[string]any `json:"-"`
 
 	// Batch turns on group commit (inbox.BatchConfig) for every inbox NewInbox builds whose
 	// own Config.Batch is left zero: deliveries the broker hands out at once share one
@@ -103,19 +92,16 @@ type Config struct {
 	// "Batched mode"). Set in code, or with INBOX_BATCH_SIZE and INBOX_BATCH_LINGER (a Go
 	// duration such as 2ms) through ConfigFromEnv. Default: off.
 	Batch inbox.BatchConfig `json:"-"`
+
+	source int    // sourceCode, sourceEnv or sourceJSON
+	path   string // the JSON file, for sourceJSON
 }
 
 // DefaultConsumerGroup names, after ConsumerGroupPrefix, the consumer group of
 // Router.Broker.Subscriber (the broker's default subscriber, for tools such as a dead-letter
-// reader). Consumers added with AddConsumer and AddHandler use their consumer name instead.
+// reader). Consumers added with AddConsumer and AddPublishingConsumer use their consumer name
+// instead.
 const DefaultConsumerGroup = "watermill-inbox"
-
-// Local defaults of Config.URL, used when no URL is configured.
-const (
-	DefaultAMQPURL  = defaults.AMQPURL
-	DefaultNATSURL  = defaults.NATSURL
-	DefaultRedisURL = defaults.RedisURL
-)
 
 // Where a Config came from, so that its errors name the setting the user wrote.
 const (
@@ -124,10 +110,14 @@ const (
 	sourceJSON
 )
 
-// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP_PREFIX and
-// INBOX_SQS_QUERY_PROTOCOL. When INBOX_BROKER_URL is unset, INBOX_AMQP_URL, INBOX_NATS_URL or
-// INBOX_REDIS_URL is the URL of "amqp", "nats" or "redis", and without those DefaultAMQPURL,
-// DefaultNATSURL or DefaultRedisURL. Errors wrap inbox.ErrInvalidConfig and name the
+// envSQSQueryProtocol selects Config.SQSQueryProtocol in ConfigFromEnv.
+const envSQSQueryProtocol = "INBOX_SQS_QUERY_PROTOCOL"
+
+// ConfigFromEnv reads INBOX_BROKER, INBOX_BROKER_URL, INBOX_CONSUMER_GROUP_PREFIX,
+// INBOX_SQS_QUERY_PROTOCOL (1, true, 0, false...), INBOX_MODE, INBOX_BATCH_SIZE and
+// INBOX_BATCH_LINGER. When INBOX_BROKER_URL is unset, the adapter's own variable
+// (adapters.Driver.URLEnv: INBOX_AMQP_URL, INBOX_NATS_URL, INBOX_REDIS_URL) is the URL, and
+// without it the adapter's local default. Errors wrap inbox.ErrInvalidConfig and name the
 // environment variable. INBOX_CONSUMER_GROUP, the router-wide consumer group of earlier
 // versions, is refused: every consumer name is now a consumer group of its own. So is an
 // environment that could be read two ways: one of these variables set twice, a variable whose
@@ -149,17 +139,16 @@ func ConfigFromEnv() (Config, error) {
 		source:              sourceEnv,
 	}
 	if cfg.URL == "" {
-		switch strings.ToLower(strings.TrimSpace(cfg.Broker)) {
-		case amqp.Name:
-			cfg.URL = os.Getenv("INBOX_AMQP_URL")
-		case nats.Name:
-			cfg.URL = os.Getenv("INBOX_NATS_URL")
-		case redis.Name:
-			cfg.URL = os.Getenv("INBOX_REDIS_URL")
+		if d, ok := adapters.Lookup(brokerName(cfg.Broker)); ok && d.URLEnv != "" {
+			cfg.URL = os.Getenv(d.URLEnv)
 		}
 	}
-	if err := sqsFromEnv(&cfg); err != nil {
-		return cfg, err
+	if v := os.Getenv(envSQSQueryProtocol); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return cfg, fmt.Errorf("%w: router: %s=%q, want 1 or 0", inbox.ErrInvalidConfig, envSQSQueryProtocol, v)
+		}
+		cfg.SQSQueryProtocol = b
 	}
 	if err := batchFromEnv(&cfg); err != nil {
 		return cfg, err
@@ -169,10 +158,10 @@ func ConfigFromEnv() (Config, error) {
 }
 
 // LoadConfig reads a JSON file with the fields of Config, e.g.
-// {"broker": "amqp", "url": "amqp://guest:guest@127.0.0.1:5672/"}. A missing "url" of amqp,
-// nats or redis is the local default (DefaultAMQPURL...). Errors wrap inbox.ErrInvalidConfig
-// and name the JSON field and the file. A file that could be read two ways is refused: a field
-// given twice, a field whose name differs from one of Config's only in case, an unknown field,
+// {"broker": "amqp", "url": "amqp://guest:guest@127.0.0.1:5672/"}. A missing "url" is the
+// adapter's local default (amqp, nats, redis). Errors wrap inbox.ErrInvalidConfig and name
+// the JSON field and the file. A file that could be read two ways is refused: a field given
+// twice, a field whose name differs from one of Config's only in case, an unknown field,
 // anything after the object.
 func LoadConfig(path string) (Config, error) {
 	raw, err := os.ReadFile(path)
@@ -192,20 +181,21 @@ func LoadConfig(path string) (Config, error) {
 	return cfg, cfg.Validate()
 }
 
-func (c *Config) setDefaults() {
-	c.Broker = strings.ToLower(strings.TrimSpace(c.Broker))
-	if c.Broker == "" {
-		c.Broker = postgres.Name
+// brokerName is a configured broker name as the registry knows it.
+func brokerName(s string) string {
+	s = strings.ToLower(strings.TrimSpace(s))
+	if s == "" {
+		return DefaultBroker
 	}
+	return s
+}
+
+func (c *Config) setDefaults() {
+	c.Broker = brokerName(c.Broker)
 	c.setModeDefault()
 	if c.URL == "" {
-		switch c.Broker {
-		case amqp.Name:
-			c.URL = DefaultAMQPURL
-		case nats.Name:
-			c.URL = DefaultNATSURL
-		case redis.Name:
-			c.URL = DefaultRedisURL
+		if d, ok := adapters.Lookup(c.Broker); ok {
+			c.URL = d.DefaultURL
 		}
 	}
 }
@@ -222,75 +212,43 @@ func (c Config) setting(env, jsonField, goField string) string {
 	return "Config." + goField
 }
 
-// Validate returns an error wrapping inbox.ErrInvalidConfig for an unknown broker or an
-// invalid URL (for kafka, a missing one: it has no local default). The error names the
-// setting as it was given: the environment variable (ConfigFromEnv), the JSON field and file
+// Validate returns an error wrapping inbox.ErrInvalidConfig for an unknown mode, a broker no
+// imported adapter registered (the error lists the registered ones) or a URL the adapter
+// refuses (for kafka, a missing one: it has no local default). The error names the setting as
+// it was given: the environment variable (ConfigFromEnv), the JSON field and file
 // (LoadConfig), or the Config field.
 func (c Config) Validate() error {
 	if err := c.validateMode(); err != nil {
 		return err
 	}
-	switch c.Broker {
-	case postgres.Name, amqp.Name, nats.Name, redis.Name:
-	case kafka.Name:
-		if _, err := kafka.ParseBrokers(c.URL); err != nil {
-			return fmt.Errorf("router: broker %q needs its bootstrap brokers in %s: %w", c.Broker, c.setting("INBOX_BROKER_URL", "url", "URL"), err)
+	name := brokerName(c.Broker)
+	d, ok := adapters.Lookup(name)
+	if !ok {
+		return fmt.Errorf("%w: router: unknown broker %q in %s (registered: %s; import its adapter package, or adapters/all)",
+			inbox.ErrInvalidConfig, name, c.setting("INBOX_BROKER", "broker", "Broker"), strings.Join(adapters.Registered(), ", "))
+	}
+	if d.ValidateURL != nil {
+		if err := d.ValidateURL(c.URL); err != nil {
+			return fmt.Errorf("%w: router: broker %q: %s: %w", inbox.ErrInvalidConfig, name, c.setting("INBOX_BROKER_URL", "url", "URL"), err)
 		}
-	case sqs.Name:
-		return validateSQS(c)
-	default:
-		return fmt.Errorf("%w: router: unknown broker %q in %s (one of %s)", inbox.ErrInvalidConfig, c.Broker, c.setting("INBOX_BROKER", "broker", "Broker"), strings.Join(Brokers, ", "))
 	}
 	return nil
 }
 
-// NewBroker builds the configured broker. pool is the database the inbox uses; the postgres
-// broker uses it too. Its Subscriber consumes in consumer group
-// cfg.ConsumerGroupPrefix+DefaultConsumerGroup (for amqp and sqs: the queue named after the
-// topic).
+// NewBroker builds the configured broker through its registered adapter. pool is the
+// database the inbox uses; the postgres broker uses it too. Its Subscriber consumes in
+// consumer group cfg.ConsumerGroupPrefix+DefaultConsumerGroup (for amqp and sqs: the queue
+// named after the topic). Errors: Validate's, then the adapter's.
 func NewBroker(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	group := cfg.ConsumerGroupPrefix + DefaultConsumerGroup
-	switch cfg.Broker {
-	case amqp.Name:
-		c := base(cfg.AMQP)
-		c.URL = cfg.URL
-		return amqp.New(c, logger)
-	case kafka.Name:
-		brokers, err := kafka.ParseBrokers(cfg.URL)
-		if err != nil {
-			return nil, err
-		}
-		c := base(cfg.Kafka)
-		c.Brokers, c.ConsumerGroup = brokers, group
-		return kafka.New(c, logger)
-	case sqs.Name:
-		return newSQSBroker(cfg, logger)
-	case nats.Name:
-		c := base(cfg.NATS)
-		c.URL, c.ConsumerGroup = cfg.URL, group
-		return nats.New(c, logger)
-	case redis.Name:
-		c := base(cfg.Redis)
-		c.URL, c.ConsumerGroup = cfg.URL, group
-		return redis.New(c, logger)
-	default:
-		c := base(cfg.Postgres)
-		c.Pool, c.ConsumerGroup = pool, group
-		return postgres.New(c, logger)
-	}
-}
-
-// base returns a copy of *c, or the zero value for nil.
-func base[T any](c *T) T {
-	var v T
-	if c != nil {
-		v = *c
-	}
-	return v
+	d, _ := adapters.Lookup(cfg.Broker)
+	return d.Open(adapters.Spec{
+		URL: cfg.URL, ConsumerGroup: cfg.ConsumerGroupPrefix + DefaultConsumerGroup, Pool: pool,
+		QueryProtocol: cfg.SQSQueryProtocol, Settings: cfg.Settings[cfg.Broker],
+	}, logger)
 }
 
 // Router is a Watermill router on one broker, with the recommended router-level middleware.
@@ -306,9 +264,12 @@ type Router struct {
 	ws     []*deferred.Workers // store-then-process workers, run with the router
 	wsRun  bool                // the workers were started
 	mu     sync.Mutex
-	subs   map[string]message.Subscriber // consumer group -> its subscriber
-	names  map[string]int                // consumer name -> handlers added for it
-	topics map[string]string             // topic -> consumer name, on a broker without fan-out
+	// Watermill's Close waits its CloseTimeout (30 s) for every added handler that never ran:
+	// Close skips it when the router was never run, or Run failed before the router ran.
+	runCalled, startFailed, closed bool
+	subs                           map[string]message.Subscriber // consumer group -> its subscriber
+	names                          map[string]int                // consumer name -> handlers added for it
+	topics                         map[string]string             // topic -> consumer name, on a broker without fan-out
 }
 
 // New builds the broker and a router whose router-level middleware is, outermost first,
@@ -343,8 +304,9 @@ func New(cfg Config, pool *pgxpool.Pool, logger watermill.LoggerAdapter) (*Route
 // a second consumer name on one topic with an error wrapping adapters.ErrNoFanOut: the two
 // would compete for the topic's queue and each see only part of its messages.
 //
-// On amqp it declares the group's queue and binds it to the topic at once (SubscribeInitialize),
-// so messages published between AddConsumer and Run are kept for the group.
+// When the broker asks for it (adapters.Broker.SubscribeInitialize: amqp declares the group's
+// queue and binds it to the topic), it calls SubscribeInitialize at once, so messages
+// published between AddConsumer and Run are kept for the group.
 func (r *Router) subscriberFor(name, topic string) (message.Subscriber, string, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -366,7 +328,7 @@ func (r *Router) subscriberFor(name, topic string) (message.Subscriber, string, 
 			r.subs[group] = sub
 		}
 	}
-	if r.Broker.Name == amqp.Name {
+	if r.Broker.SubscribeInitialize {
 		if si, ok := sub.(message.SubscribeInitializer); ok {
 			if err := si.SubscribeInitialize(topic); err != nil {
 				return nil, "", fmt.Errorf("router: consumer %q: declaring its queue for topic %q: %w", name, topic, err)
@@ -419,9 +381,10 @@ func (r *Router) AddConsumer(ib *inbox.Inbox, topic string, h message.NoPublishH
 	}), nil
 }
 
-// AddHandler is AddConsumer for a handler that returns messages for publishTopic; give the
-// inbox an Outbox (package middleware/outbox) so they are written in the inbox transaction.
-func (r *Router) AddHandler(ib *inbox.Inbox, topic, publishTopic string, h message.HandlerFunc) (*message.Handler, error) {
+// AddPublishingConsumer is AddConsumer for a handler that returns messages for publishTopic;
+// give the inbox an Outbox (package middleware/outbox) so they are written in the inbox
+// transaction. (r.AddHandler is Watermill's own, promoted from the embedded *message.Router.)
+func (r *Router) AddPublishingConsumer(ib *inbox.Inbox, topic, publishTopic string, h message.HandlerFunc) (*message.Handler, error) {
 	sub, name, err := r.subscriberFor(ib.ConsumerName(), topic)
 	if err != nil {
 		return nil, err
@@ -432,7 +395,14 @@ func (r *Router) AddHandler(ib *inbox.Inbox, topic, publishTopic string, h messa
 // Close closes the router, then the consumers' subscribers, then the broker, and returns the
 // first error.
 func (r *Router) Close() error {
-	err := r.Router.Close()
+	r.mu.Lock()
+	running := r.runCalled && !r.startFailed
+	r.closed = true
+	r.mu.Unlock()
+	var err error
+	if running {
+		err = r.Router.Close()
+	}
 	r.closeWorkers()
 	r.mu.Lock()
 	subs := r.subs
@@ -449,5 +419,29 @@ func (r *Router) Close() error {
 	return err
 }
 
-// Run runs the router until ctx is cancelled or Close is called.
-func (r *Router) Run(ctx context.Context) error { r.runWorkers(ctx); return r.Router.Run(ctx) }
+// Run runs the router until ctx is cancelled or Close is called. A subscription that fails
+// (an unreachable broker, a postgres topic whose table or grant is missing) makes it return at
+// once with that error, wrapped without the stack frames Watermill attaches; Close then
+// returns at once too.
+func (r *Router) Run(ctx context.Context) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return errors.New("router: closed")
+	}
+	r.runCalled = true
+	r.mu.Unlock()
+	r.runWorkers(ctx)
+	err := r.Router.Run(ctx)
+	if err == nil {
+		return nil
+	}
+	select {
+	case <-r.Router.Running():
+	default: // failed before running: no handler of Watermill's is left to wait for
+		r.mu.Lock()
+		r.startFailed = true
+		r.mu.Unlock()
+	}
+	return fmt.Errorf("router: %w", err) // fmt's wrapping prints no stack frames with %+v
+}

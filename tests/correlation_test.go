@@ -51,7 +51,7 @@ func TestCorrelationIDThroughTheOutbox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.AddHandler(billing, orders, events, func(msg *message.Message) ([]*message.Message, error) {
+	if _, err := r.AddPublishingConsumer(billing, orders, events, func(msg *message.Message) ([]*message.Message, error) {
 		ev := message.NewMessage(watermill.NewUUID(), msg.Payload)
 		if string(msg.Payload) == "own" {
 			wmmiddleware.SetCorrelationID("set-by-handler", ev)

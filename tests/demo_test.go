@@ -180,9 +180,9 @@ func demoBuild(t *testing.T) string {
 			}
 		}
 	}
-	args = append(args, "./examples/billing")
+	args = append(args, ".") // examples/billing is a module of its own (it embeds goaws)
 	cmd := exec.Command("go", args...)
-	cmd.Dir = root
+	cmd.Dir = filepath.Join(root, "examples", "billing")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go %s: %v\n%s", strings.Join(args, " "), err, out)
 	}

@@ -52,17 +52,17 @@ func benchRelay(b *testing.B, brokerName string) {
 	switch brokerName {
 	case "amqp":
 		cfg.URL = testenv.RequireAMQP(b)
-		cfg.AMQP = &amqp.Config{Consumers: 8, PublishChannelPoolSize: 16,
+		cfg.Settings = map[string]any{amqp.Name: &amqp.Config{Consumers: 8, PublishChannelPoolSize: 16,
 			QueueArguments: map[string]any{"x-expires": int32(120000)},
 			// The receipts queue exists before the first receipt, so none goes to the
 			// unrouted queue; it expires with the payments queue after the run.
-			DeclareGroups: []string{"billing", "receipts"}}
+			DeclareGroups: []string{"billing", "receipts"}}}
 	case "kafka":
 		cluster := kafkatest.NewCluster(b)
 		cfg.URL = strings.Join(cluster.Addrs(), ",")
 	case "nats":
 		cfg.URL = testenv.RequireNATS(b)
-		cfg.NATS = &nats.Config{SubscribersCount: 8, AckWait: 10 * time.Second}
+		cfg.Settings = map[string]any{nats.Name: &nats.Config{SubscribersCount: 8, AckWait: 10 * time.Second}}
 	case "redis":
 		cfg.URL = testenv.RequireRedis(b)
 	}
@@ -84,7 +84,7 @@ func benchRelay(b *testing.B, brokerName string) {
 		b.Fatal(err)
 	}
 	var consumed atomic.Int64
-	h, err := r.AddHandler(ib, payments, receipts, func(msg *message.Message) ([]*message.Message, error) {
+	h, err := r.AddPublishingConsumer(ib, payments, receipts, func(msg *message.Message) ([]*message.Message, error) {
 		var p struct{ Account int }
 		if err := json.Unmarshal(msg.Payload, &p); err != nil {
 			return nil, inbox.Permanent(err)

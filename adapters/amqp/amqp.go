@@ -46,7 +46,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "amqp"
 
 // BrokerSideFields are the headers and metadata RabbitMQ and watermill-amqp attach to a

@@ -17,7 +17,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "kafka"
 
 // Defaults that Config's zero values stand for.

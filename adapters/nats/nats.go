@@ -65,7 +65,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "nats"
 
 // BrokerSideFields are the names under which JetStream's delivery state reaches message

@@ -12,6 +12,7 @@
 package postgres
 
 import (
+	"context"
 	"fmt"
 	"time"
 
@@ -26,7 +27,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "postgres"
 
 // BrokerSideFields: watermill-sql sets no delivery metadata; its offsets stay internal (the
@@ -50,6 +52,19 @@ type Config struct {
 	AckDeadline time.Duration
 	// BatchSize is how many rows a poll reads; a crash redelivers up to that many. Default: 10.
 	BatchSize int
+	// Schema holds the topic tables (Tables). Default: "" (where the connection's search_path
+	// finds them, and creates them).
+	Schema string
+	// NoDDL makes the broker run no DDL, for a role that cannot create tables: watermill-sql's
+	// CREATE TABLE IF NOT EXISTS, run on a topic's first publish and on every subscribe
+	// (PostgreSQL checks the CREATE privilege before it sees the table exists), is off. The
+	// schema's owner creates the topic tables beforehand (Migrate, `watermill-inbox migrate
+	// --broker-topics ...`, printed with --print) and grants them (GrantSQL, `watermill-inbox
+	// grants --broker-topics ...`). Before a topic's first publish and before each subscribe
+	// the broker checks them (CheckTopic): a missing table or privilege fails that call at
+	// once with an error wrapping ErrTopicNotReady and inbox.ErrInvalidConfig that names it.
+	// Default: false (the broker creates the tables it needs).
+	NoDDL bool
 }
 
 func (c *Config) setDefaults() {
@@ -82,7 +97,8 @@ func (c Config) Validate() error {
 }
 
 // New returns the broker. Tables are created on first publish or subscribe (watermill-sql's
-// schema initialisation, under an advisory lock). Its NewSubscriber gives each consumer group
+// schema initialisation, under an advisory lock), unless NoDDL: then they are checked
+// (CheckTopic) and must exist. Its NewSubscriber gives each consumer group
 // an offset row of its own in the topic's offsets table: every group reads every message, and
 // a group that subscribes for the first time starts at the topic's first message (nothing
 // published before is missed). Redelivery is adapters.UnknownRedelivery: watermill-sql
@@ -97,16 +113,19 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 	// watermill-sql logs every statement's arguments (payloads and metadata) as query_args
 	// at trace level: they never reach the user's logger.
 	logger = redact.Logger(logger)
-	schema := sql.DefaultPostgreSQLSchema{
-		GeneratePayloadType: func(string) string { return "BYTEA" },
-		SubscribeBatchSize:  cfg.BatchSize,
-	}
+	schema := cfg.schemaAdapter()
+	var pub message.Publisher
 	pub, err := sql.NewPublisher(sql.BeginnerFromPgx(cfg.Pool), sql.PublisherConfig{
 		SchemaAdapter:        schema,
-		AutoInitializeSchema: true,
+		AutoInitializeSchema: !cfg.NoDDL,
 	}, logger)
 	if err != nil {
 		return nil, fmt.Errorf("postgres adapter: publisher: %w", err)
+	}
+	if cfg.NoDDL {
+		pub = adapters.DeclaringPublisher(pub, func(topic string) error {
+			return CheckTopic(context.Background(), cfg.Pool, cfg, topic, forPublish)
+		})
 	}
 	newSub := func(group string) (message.Subscriber, error) {
 		if group == "" {
@@ -116,8 +135,8 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		sub, err := sql.NewSubscriber(sql.BeginnerFromPgx(cfg.Pool), sql.SubscriberConfig{
 			ConsumerGroup:    group,
 			SchemaAdapter:    schema,
-			OffsetsAdapter:   sql.DefaultPostgreSQLOffsetsAdapter{},
-			InitializeSchema: true,
+			OffsetsAdapter:   cfg.offsetsAdapter(),
+			InitializeSchema: !cfg.NoDDL,
 			PollInterval:     cfg.PollInterval,
 			ResendInterval:   cfg.ResendInterval,
 			RetryInterval:    time.Second,
@@ -125,6 +144,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		}, logger)
 		if err != nil {
 			return nil, fmt.Errorf("postgres adapter: subscriber of consumer group %q: %w", group, err)
+		}
+		if cfg.NoDDL {
+			return checkingSubscriber{sub, cfg}, nil
 		}
 		return sub, nil
 	}
@@ -137,4 +159,19 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*adapters.Broker, error) {
 		Name: Name, Publisher: pub, Subscriber: sub, NewSubscriber: newSub,
 		BrokerSideFields: BrokerSideFields, Redelivery: adapters.UnknownRedelivery,
 	}, nil
+}
+
+// checkingSubscriber is a NoDDL broker's subscriber: it checks a topic's tables and privileges
+// (CheckTopic) before subscribing, so a missing one fails Subscribe at once with an error that
+// names it, instead of watermill-sql's retries of a query that cannot succeed.
+type checkingSubscriber struct {
+	message.Subscriber
+	cfg Config
+}
+
+func (s checkingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	if err := CheckTopic(ctx, s.cfg.Pool, s.cfg, topic, forSubscribe); err != nil {
+		return nil, err
+	}
+	return s.Subscriber.Subscribe(ctx, topic)
 }

@@ -64,7 +64,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "redis"
 
 // UnmarshalErrorKey is the metadata field that holds why an entry's metadata could not be

@@ -18,7 +18,8 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// Name is the adapter's name in router configuration.
+// Name is the adapter's name in router configuration, registered when the package is imported
+// (driver.go).
 const Name = "sqs"
 
 // QueryProtocol is an OptFns function that switches the SQS client from the default AWS JSON

@@ -11,11 +11,12 @@
 //	err = pub.Publish("payments", message.NewMessage(watermill.NewUUID(), []byte(`{"amount":5}`)))
 //	router.AddConsumerHandler("billing", "payments", sub, handler) // + the inbox middleware
 //
-// For the inbox, New builds both as an adapters.Broker (package router names it "sqs"):
-// its Publisher and Subscriber create a topic's queue, with BrokerConfig.QueueAttributes,
-// when it does not exist yet, and it carries BrokerSideFields. Tests run against goaws, an
-// in-process SQS emulator, through package sqstest; goaws speaks only the query protocol
-// (option QueryProtocol), Amazon SQS the SDK's default JSON protocol.
+// For the inbox, New builds both as an adapters.Broker (importing the package registers it
+// as "sqs" for package router): its Publisher and Subscriber create a topic's queue, with
+// BrokerConfig.QueueAttributes, when it does not exist yet, and it carries BrokerSideFields.
+// Tests run against goaws, an in-process SQS emulator, in the module adapters/sqs/sqstest
+// (kept apart so that the library's go.mod requires no emulator); goaws speaks only the query
+// protocol (option QueryProtocol), Amazon SQS the SDK's default JSON protocol.
 //
 // What travels where:
 //   - payload: the message body. SQS accepts text only (XML characters, at least one):

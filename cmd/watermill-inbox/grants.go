@@ -17,6 +17,7 @@ func grantsCmd() *cobra.Command {
 	var schema, table, role, outboxTopic, layout string
 	var withOutbox, withDeferred bool
 	var deferredTable string
+	var broker brokerFlags
 	cmd := &cobra.Command{
 		Use:   "grants --role ROLE",
 		Short: "Print the GRANT statements of an application role that only reads and writes",
@@ -24,7 +25,8 @@ func grantsCmd() *cobra.Command {
 			"the inbox (with --deferred the store-then-process table, with --outbox the outbox and its\n" +
 			"relay) and nothing more: no CREATE, so it\n" +
 			"cannot create or alter tables. Run them as the schema's owner after `migrate`. The\n" +
-			"handler's own tables need their own grants. See docs/security.md.",
+			"handler's own tables need their own grants. With --broker-topics, also the postgres\n" +
+			"broker's topic tables (created by `migrate --broker-topics`). See docs/security.md.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var l pgstore.Layout
@@ -61,17 +63,19 @@ func grantsCmd() *cobra.Command {
 					return err
 				}
 			}
-			if !withOutbox {
-				return nil
+			if withOutbox {
+				ob, err := outbox.GrantSQL(outbox.Config{Schema: schema, Topic: outboxTopic}, role)
+				if err != nil {
+					return err
+				}
+				if _, err = fmt.Fprint(cmd.OutOrStdout(), ob); err != nil {
+					return err
+				}
 			}
-			ob, err := outbox.GrantSQL(outbox.Config{Schema: schema, Topic: outboxTopic}, role)
-			if err != nil {
-				return err
-			}
-			_, err = fmt.Fprint(cmd.OutOrStdout(), ob)
-			return err
+			return broker.grants(cmd, role)
 		},
 	}
+	broker.register(cmd)
 	cmd.Flags().StringVar(&role, "role", "", "the application role (required)")
 	cmd.Flags().StringVar(&schema, "schema", pgstore.DefaultSchema, "schema of the inbox table")
 	cmd.Flags().StringVar(&table, "table", pgstore.DefaultTable, "inbox table name")

@@ -109,13 +109,16 @@ func migrateCmd() *cobra.Command {
 	var print, withOutbox bool
 	var layoutName string
 	var outboxTopic string
+	var broker brokerFlags
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Apply the inbox schema migrations, or print them with --print",
 		Long: "Applies pending migrations in one transaction under an advisory lock (safe when several\n" +
 			"instances run it at once). With --print, writes the SQL script to standard output\n" +
 			"without connecting, for teams that run their own migration tool. An existing table\n" +
-			"keeps its layout (text or compact, detected); --layout chooses a new table's.",
+			"keeps its layout (text or compact, detected); --layout chooses a new table's. With\n" +
+			"--broker-topics, also the tables of the postgres broker's topics, for a broker\n" +
+			"configured with NoDDL (package adapters/postgres).",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			obCfg := outbox.Config{Schema: f.schema, Topic: outboxTopic}
@@ -132,15 +135,22 @@ func migrateCmd() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				if _, err = fmt.Fprint(cmd.OutOrStdout(), script); err != nil || !withOutbox {
+				if _, err = fmt.Fprint(cmd.OutOrStdout(), script); err != nil {
 					return err
 				}
-				obScript, err := outbox.SchemaSQL(obCfg)
-				if err != nil {
-					return err
+				if withOutbox {
+					obScript, err := outbox.SchemaSQL(obCfg)
+					if err != nil {
+						return err
+					}
+					if _, err = fmt.Fprintf(cmd.OutOrStdout(), "\n-- the outbox (topic %s, table %s)\n%s", obCfg.Topic, obCfg.MessagesTable(), obScript); err != nil {
+						return err
+					}
 				}
-				_, err = fmt.Fprintf(cmd.OutOrStdout(), "\n-- the outbox (topic %s, table %s)\n%s", obCfg.Topic, obCfg.MessagesTable(), obScript)
-				return err
+				return broker.print(cmd)
+			}
+			if err := broker.validate(); err != nil {
+				return err // invalid names, reported before connecting
 			}
 			if withOutbox {
 				if err := obCfg.Validate(); err != nil {
@@ -193,10 +203,11 @@ func migrateCmd() *cobra.Command {
 				}
 				fmt.Fprintf(cmd.OutOrStdout(), "outbox tables of topic %q are in place\n", obCfg.Topic)
 			}
-			return nil
+			return broker.migrate(cmd, pool)
 		},
 	}
 	f.register(cmd)
+	broker.register(cmd)
 	cmd.Flags().BoolVar(&print, "print", false, "print the SQL script instead of applying it")
 	cmd.Flags().StringVar(&layoutName, "layout", "text", "layout of a new table: text or compact (an existing table keeps its own; see `layout convert`)")
 	cmd.Flags().BoolVar(&withOutbox, "outbox", false, "also create the outbox tables (package middleware/outbox) in the same schema")

@@ -87,13 +87,14 @@ func withDemoSettings(cfg router.Config, o options) router.Config {
 	// the start and read only at the end, so it must outlive the whole run: a soak runs for
 	// more than an hour, and a queue that expired drops the dead letters routed to it.
 	expiry := min(o.timeout+amqpQueueExpiry, time.Duration(math.MaxInt32)*time.Millisecond)
-	cfg.Postgres = &postgres.Config{PollInterval: 50 * time.Millisecond}
-	cfg.AMQP = &amqp.Config{
+	cfg.Settings = map[string]any{}
+	cfg.Settings[postgres.Name] = &postgres.Config{PollInterval: 50 * time.Millisecond}
+	cfg.Settings[amqp.Name] = &amqp.Config{
 		Consumers:              o.amqpConsumers,
 		PublishChannelPoolSize: outbox.DefaultMaxInFlight, // the relay keeps this many publishes in flight
 		QueueArguments:         map[string]any{"x-expires": int32(expiry.Milliseconds())},
 	}
-	cfg.Kafka = &kafka.Config{
+	cfg.Settings[kafka.Name] = &kafka.Config{
 		SessionTimeout:    time.Second, // a killed member's partitions move at once
 		HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout:  10 * time.Second,
@@ -101,15 +102,15 @@ func withDemoSettings(cfg router.Config, o options) router.Config {
 		CommitInterval:    100 * time.Millisecond,
 		NackResendSleep:   50 * time.Millisecond,
 	}
-	cfg.SQS = &sqs.BrokerConfig{
+	cfg.Settings[sqs.Name] = &sqs.BrokerConfig{
 		// goaws applies the queue's visibility timeout only, not the per-receive one.
 		QueueAttributes: map[string]string{"VisibilityTimeout": fmt.Sprint(int(redeliverAfter.Seconds()))},
 		WaitTime:        time.Second,
 		MaxInFlight:     concurrency,
 		CloseTimeout:    2 * time.Second,
 	}
-	cfg.NATS = &nats.Config{AckWait: redeliverAfter, MaxAckPending: 4 * concurrency, SubscribersCount: concurrency}
-	cfg.Redis = &redis.Config{NackResendSleep: 50 * time.Millisecond, MaxIdleTime: redeliverAfter, ClaimInterval: 200 * time.Millisecond}
+	cfg.Settings[nats.Name] = &nats.Config{AckWait: redeliverAfter, MaxAckPending: 4 * concurrency, SubscribersCount: concurrency}
+	cfg.Settings[redis.Name] = &redis.Config{NackResendSleep: 50 * time.Millisecond, MaxIdleTime: redeliverAfter, ClaimInterval: 200 * time.Millisecond}
 	return cfg
 }
 
@@ -213,7 +214,7 @@ func consume(ctx context.Context, o options) error {
 			return err
 		}
 	} else {
-		r.AddHandler(billing, o.topic, o.receiptsTopic, handler.handle)
+		r.AddPublishingConsumer(billing, o.topic, o.receiptsTopic, handler.handle)
 	}
 	r.AddConsumer(receipts, o.receiptsTopic, receiptsHandler(qualified(o.schema, "receipts")))
 

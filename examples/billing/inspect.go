@@ -33,7 +33,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/postgres"
 	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
-	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqsfake"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest/sqsfake"
 	"github.com/watermill-inbox/watermill-inbox/internal/redact"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/router"
@@ -104,7 +104,7 @@ func newBrokerAdmin(o options, pool *pgxpool.Pool, schema string, t topics) (*br
 	a.cfg = withDemoSettings(a.cfg, o)
 	// The payments are published before the consumers first subscribe: on RabbitMQ the
 	// publisher declares the billing consumer group's queue first, so they are kept for it.
-	a.cfg.AMQP.DeclareGroups = []string{consumerName}
+	a.cfg.Settings[amqp.Name].(*amqp.Config).DeclareGroups = []string{consumerName}
 	b, err := router.NewBroker(a.cfg, pool, watermill.NopLogger{})
 	if err != nil {
 		a.Close()

@@ -5,7 +5,7 @@
 // once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
 // and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run ./examples/billing [-broker=postgres|amqp|kafka|sqs|nats|redis] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
+//	go run . [-broker=postgres|amqp|kafka|sqs|nats|redis] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
 // inbox and the outbox into it, creates the accounts (one of them frozen), publishes the
@@ -56,6 +56,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters"
+	_ "github.com/watermill-inbox/watermill-inbox/adapters/all" // the demo takes every broker by name
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
@@ -134,8 +136,8 @@ func parseFlags(args []string) (options, error) {
 	switch {
 	case o.role != roleOrchestrator && o.role != roleConsumer:
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
-	case !slices.Contains(router.Brokers, o.broker):
-		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(router.Brokers, ", "))
+	case !slices.Contains(adapters.Registered(), o.broker):
+		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(adapters.Registered(), ", "))
 	case !slices.Contains(router.Modes, o.mode):
 		return o, fmt.Errorf("-mode=%q: want one of %s", o.mode, strings.Join(router.Modes, ", "))
 	case o.soak && o.mode != router.ModeImmediate:

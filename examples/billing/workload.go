@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )

@@ -26,6 +26,7 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	_ "github.com/watermill-inbox/watermill-inbox/adapters/all" // every broker name
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
@@ -189,7 +190,7 @@ func addInbox(e *drainEnv, r *router.Router, topic string, handlers int, cfg inb
 // under the same machine load. Each message is acked only after its transaction committed.
 // SQS (goaws, an emulator) drains a quarter of -backlog.
 //
-//	go test ./tests/bench -run '^$' -bench BacklogDrain -benchtime 1x -count 3 -backlog 5000
+//	cd tests/bench && go test . -run '^$' -bench BacklogDrain -benchtime 1x -count 3 -backlog 5000
 func BenchmarkBacklogDrain(b *testing.B) {
 	for _, name := range strings.Split(*brokersFlag, ",") {
 		b.Run("broker="+strings.TrimSpace(name), func(b *testing.B) { benchDrain(b, strings.TrimSpace(name)) })
@@ -335,10 +336,10 @@ func brokerConfig(b *testing.B, broker string, topics []string) (router.Config, 
 	case "postgres":
 		return router.Config{Broker: "postgres"}, 1
 	case "amqp":
-		return router.Config{Broker: "amqp", URL: testenv.RequireAMQP(b), AMQP: &amqp.Config{
+		return router.Config{Broker: "amqp", URL: testenv.RequireAMQP(b), Settings: map[string]any{amqp.Name: &amqp.Config{
 			Consumers: drainConcurrency, Prefetch: 16, PublishChannelPoolSize: 16,
 			QueueArguments: map[string]any{"x-expires": int32(120000)},
-		}}, 1
+		}}}, 1
 	case "kafka":
 		var seed []kafkatest.Topic
 		for _, t := range topics {
@@ -347,15 +348,15 @@ func brokerConfig(b *testing.B, broker string, topics []string) (router.Config, 
 		cluster := kafkatest.NewCluster(b, seed...)
 		return router.Config{Broker: "kafka", URL: "kafka://" + strings.Join(cluster.Addrs(), ",")}, 1
 	case "nats":
-		return router.Config{Broker: "nats", URL: testenv.RequireNATS(b), NATS: &nats.Config{
+		return router.Config{Broker: "nats", URL: testenv.RequireNATS(b), Settings: map[string]any{nats.Name: &nats.Config{
 			SubscribersCount: drainConcurrency, MaxAckPending: 64,
-		}}, 1
+		}}}, 1
 	case "redis":
 		return router.Config{Broker: "redis", URL: testenv.RequireRedis(b)}, drainConcurrency
 	case "sqs":
-		return router.Config{Broker: "sqs", URL: sqstest.Endpoint(), SQSQueryProtocol: true, SQS: &sqs.BrokerConfig{
+		return router.Config{Broker: "sqs", URL: sqstest.Endpoint(), SQSQueryProtocol: true, Settings: map[string]any{sqs.Name: &sqs.BrokerConfig{
 			AWSConfig: sqstest.AWSConfig(), MaxInFlight: drainConcurrency,
-		}}, 1
+		}}}, 1
 	}
 	b.Fatalf("unknown broker %q", broker)
 	return router.Config{}, 0

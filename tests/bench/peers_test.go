@@ -123,7 +123,7 @@ func peerModes() []peerMode {
 			}
 			return ib.Middleware, nil
 		}},
-		// The chart (internal/cmd/benchchart) draws a line for every <mode>-msg/s metric.
+		// The chart (tests/bench/cmd/benchchart) draws a line for every <mode>-msg/s metric.
 	}
 	want := map[string]bool{}
 	for _, m := range strings.Split(*peerModesFlag, ",") {
@@ -168,7 +168,7 @@ func deliveryCounts(b *testing.B) []int {
 // the extra ones wait for a connection, as they would in a service whose pool is sized for its
 // database rather than for its consumer's concurrency.
 //
-//	go test ./tests/bench -run '^$' -bench Peers -benchtime 2000x -count 3
+//	cd tests/bench && go test . -run '^$' -bench Peers -benchtime 2000x -count 3
 func BenchmarkPeers(b *testing.B) {
 	for _, n := range deliveryCounts(b) {
 		b.Run(fmt.Sprintf("deliveries=%d", n), func(b *testing.B) { benchPeers(b, n) })
@@ -218,8 +218,8 @@ func benchPeers(b *testing.B, slots int) {
 	elapsed := make([]time.Duration, len(modes))
 	// One chunk per mode, the order rotated by one each chunk, so every mode runs once in
 	// every position: a mode's rate depends on the mode that ran just before it
-	// (docs/benchmarks.md, session 5: the mode right after bare ran about 0.05 of the bare
-	// rate slower).
+	// (measured on 2026-12-01: the mode right after bare ran about 0.05 of the bare rate
+	// slower).
 	chunks := len(modes)
 	for c := range chunks {
 		n := b.N / chunks

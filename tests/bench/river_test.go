@@ -75,7 +75,7 @@ func (w *creditWorker) Work(ctx context.Context, job *river.Job[creditArgs]) err
 // BenchmarkPeers' -pool (River's own connections, its LISTEN connection and fetches
 // included). b.N is the number of messages per row.
 //
-//	go test ./tests/bench -run '^$' -bench StoreThenProcess -benchtime 2000x -count 3
+//	cd tests/bench && go test . -run '^$' -bench StoreThenProcess -benchtime 2000x -count 3
 func BenchmarkStoreThenProcess(b *testing.B) {
 	for _, n := range deliveryCounts(b) {
 		b.Run(fmt.Sprintf("deliveries=%d", n), func(b *testing.B) { benchStoreThenProcess(b, n) })

@@ -19,7 +19,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 
-	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqsfake"
+	"github.com/watermill-inbox/watermill-inbox/adapters/sqs/sqstest/sqsfake"
 )
 
 // EnvEndpoint names the environment variable that points a test binary at a goaws that

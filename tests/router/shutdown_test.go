@@ -10,6 +10,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
+	"github.com/watermill-inbox/watermill-inbox/internal/routertest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -25,10 +26,10 @@ func TestShutdownMidHandlerIsNotAnAttempt(t *testing.T) {
 	kafkaCluster := kafkatest.NewCluster(t)
 	for _, cfg := range []router.Config{
 		{Broker: "amqp", URL: testenv.RequireAMQP(t)},
-		{Broker: "kafka", URL: "kafka://" + strings.Join(kafkaCluster.Addrs(), ","), Kafka: &kafka.Config{
+		{Broker: "kafka", URL: "kafka://" + strings.Join(kafkaCluster.Addrs(), ","), Settings: map[string]any{kafka.Name: &kafka.Config{
 			SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond, RebalanceTimeout: 5 * time.Second,
 			FetchMaxWait: 50 * time.Millisecond, CommitInterval: 100 * time.Millisecond,
-		}},
+		}}},
 		{Broker: "postgres"},
 	} {
 		t.Run(cfg.Broker, func(t *testing.T) {
@@ -37,7 +38,7 @@ func TestShutdownMidHandlerIsNotAnAttempt(t *testing.T) {
 			sch.CreateAccounts(t, 1)
 			topic := "deploy_" + sch.Name
 			cfg.ConsumerGroupPrefix = sch.Name + "_"
-			t.Cleanup(func() { deleteTopic(t, cfg, topic) })
+			t.Cleanup(func() { routertest.DeleteTopic(t, cfg, topic) })
 			var deadLettered, skips uint64
 			for life := 1; life <= 3; life++ {
 				r, err := router.New(cfg, sch.Pool, nil)

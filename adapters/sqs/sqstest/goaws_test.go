@@ -1,4 +1,4 @@
-package sqs_test
+package sqstest_test
 
 // The tests run against goaws, in-process, through package sqstest: one instance per test
 // binary, because goaws keeps its queues in package globals, so every test uses its own queue

@@ -45,7 +45,7 @@ func TestRouterBatch(t *testing.T) {
 	sch := testenv.NewSchema(t, 6)
 	store := sch.Store(t)
 	sch.Exec(t, "CREATE TABLE ledger (message_id text PRIMARY KEY, txid bigint NOT NULL)")
-	cfg := router.Config{Broker: "amqp", URL: testenv.RequireAMQP(t), AMQP: &amqp.Config{Prefetch: 1, Consumers: 4},
+	cfg := router.Config{Broker: "amqp", URL: testenv.RequireAMQP(t), Settings: map[string]any{amqp.Name: &amqp.Config{Prefetch: 1, Consumers: 4}},
 		Batch: inbox.BatchConfig{Size: 4, Linger: 100 * time.Millisecond}}
 	r, err := router.New(cfg, sch.Pool, nil)
 	if err != nil {

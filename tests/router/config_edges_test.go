@@ -7,6 +7,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
+	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
+	"github.com/watermill-inbox/watermill-inbox/adapters/redis"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
@@ -16,7 +19,7 @@ import (
 func TestLocalURLDefaults(t *testing.T) {
 	t.Setenv("INBOX_BROKER_URL", "")
 	t.Setenv("INBOX_CONSUMER_GROUP", "")
-	for broker, want := range map[string]string{"amqp": router.DefaultAMQPURL, "nats": router.DefaultNATSURL, "redis": router.DefaultRedisURL} {
+	for broker, want := range map[string]string{"amqp": amqp.DefaultURL, "nats": nats.DefaultURL, "redis": redis.DefaultURL} {
 		t.Setenv("INBOX_BROKER", broker)
 		t.Setenv("INBOX_"+strings.ToUpper(broker)+"_URL", "")
 		cfg, err := router.ConfigFromEnv()

@@ -2,8 +2,8 @@
 // or peer, from the output of the repository's own benchmarks (go test -bench text, read with
 // golang.org/x/perf/benchfmt), into an SVG file. It is how docs/img/throughput.svg is made:
 //
-//	go test ./tests/bench -run '^$' -bench Peers -benchtime 2000x -count 3 | tee docs/img/peers.txt
-//	go run ./internal/cmd/benchchart -in docs/img/peers.txt -out docs/img/throughput.svg
+//	cd tests/bench && go test . -run '^$' -bench Peers -benchtime 2000x -count 3 | tee ../../docs/img/peers.txt
+//	go run ./cmd/benchchart -in ../../docs/img/peers.txt -out ../../docs/img/throughput.svg
 //
 // (make bench-peers runs both.) Each benchmark result whose name matches -bench and holds a
 // "<key>=<n>" part (-x, default "deliveries") is a point of every metric whose unit ends in

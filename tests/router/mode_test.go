@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/routertest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/deferred"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -34,7 +35,7 @@ func TestModeFromConfig(t *testing.T) {
 			}
 			defer r.Close()
 			topic := "modes_" + sch.Name
-			t.Cleanup(func() { deleteTopic(t, cfg, topic) })
+			t.Cleanup(func() { routertest.DeleteTopic(t, cfg, topic) })
 			dcfg := deferred.Config{Schema: sch.Name, PollInterval: 100 * time.Millisecond}
 			if mode != "" {
 				dcfg.Pool = sch.Pool
@@ -132,7 +133,7 @@ func TestModeHandlerFromConfig(t *testing.T) {
 			}
 			defer r.Close()
 			topic := "modeh_" + sch.Name
-			t.Cleanup(func() { deleteTopic(t, cfg, topic) })
+			t.Cleanup(func() { routertest.DeleteTopic(t, cfg, topic) })
 			dcfg := deferred.Config{Schema: sch.Name, PollInterval: 100 * time.Millisecond}
 			if mode == router.ModeStoreThenProcess {
 				d, err := deferred.New(deferred.Config{Pool: sch.Pool, Schema: sch.Name, ConsumerName: "ledger"}, nil)

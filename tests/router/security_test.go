@@ -78,7 +78,7 @@ func TestNothingSecretOrForgedInTraceLogs(t *testing.T) {
 		watermill.NewSlogLogger(slog.New(slog.NewTextHandler(&slogBuf, &slog.HandlerOptions{Level: watermill.LevelTrace}))),
 	}
 	r, err := router.New(router.Config{Broker: postgres.Name, ConsumerGroupPrefix: sch.Name + "_",
-		Postgres: &postgres.Config{PollInterval: 20 * time.Millisecond, ResendInterval: 20 * time.Millisecond}}, sch.Pool, logger)
+		Settings: map[string]any{postgres.Name: &postgres.Config{PollInterval: 20 * time.Millisecond, ResendInterval: 20 * time.Millisecond}}}, sch.Pool, logger)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +96,7 @@ func TestNothingSecretOrForgedInTraceLogs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.AddHandler(ib, "payments", "receipts", func(msg *message.Message) ([]*message.Message, error) {
+	if _, err := r.AddPublishingConsumer(ib, "payments", "receipts", func(msg *message.Message) ([]*message.Message, error) {
 		var p struct {
 			Amount int64  `json:"amount"`
 			Note   string `json:"note"`
