@@ -137,7 +137,8 @@ type Config struct {
 	// built-in list, so a replayed message does not carry the old delivery's state.
 	BrokerSideFields map[string]string
 
-	// Outbox, when set, receives the messages a handler returns (with router.AddHandler),
+	// Outbox, when set, receives the messages a handler returns (a handler added with Watermill's AddHandler or
+	// package router's AddPublishingConsumer),
 	// inside the inbox transaction, for the handler's publish topic; the router then has
 	// nothing left to publish. A crash after the commit loses none of them, and a duplicate
 	// delivery produces none again. Without it, returned messages fail the delivery with

@@ -21,7 +21,8 @@ var (
 	ErrProducedMessages = errors.New("inbox: handler returned messages but no Outbox is configured")
 
 	// ErrNoPublishTopic is returned when a handler returns messages but the router gave it no
-	// publish topic (it was added with AddConsumerHandler, not AddHandler), and its context names
+	// publish topic (it was added with Watermill's AddConsumerHandler, not AddHandler, or package
+	// router's AddConsumer, not AddPublishingConsumer), and its context names
 	// none (ContextWithPublishTopic). It is permanent.
 	ErrNoPublishTopic = errors.New("inbox: handler returned messages but has no publish topic")
 

@@ -2,7 +2,7 @@ package inbox
 
 // stackReserve is the stack, in bytes, that reserveStack makes room for: enough for the
 // claim's deepest path (pgx's batch encoding under the store's claim), measured with the CPU
-// profile of BenchmarkInboxVsBareTx (docs/benchmarks.md, "Where the middleware's time goes").
+// profile of BenchmarkInboxVsBareTx (`make bench-cost`).
 const stackReserve = 8 << 10
 
 // reserveStack grows the calling goroutine's stack once, while the goroutine is still
