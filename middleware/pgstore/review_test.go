@@ -67,20 +67,24 @@ func layoutStoreWith(t *testing.T, conns int32, cfg pgstore.Config, with func(*p
 
 // TestBatchWithAHeldKeyTakesNoLockAway: a counted batch claim one of whose keys ("m-b") is
 // held by a delivery in flight decides that member RunAlone at once (the key's lock is tried,
-// never waited for), runs the other, and, once rolled back, leaves its connection holding no
-// advisory lock and no count of either key; in every layout.
+// never waited for), runs the other, and, once rolled back, leaves no pooled connection
+// holding an advisory lock and no count of either key but the holder's; in every layout.
 func TestBatchWithAHeldKeyTakesNoLockAway(t *testing.T) {
 	for _, l := range everyLayout {
 		t.Run(l.name, func(t *testing.T) {
-			s, sch := layoutStoreWith(t, 2, l.cfg, func(c *pgstore.Config) { c.LockTimeout = 150 * time.Millisecond })
+			s, sch := layoutStoreWith(t, 3, l.cfg, func(c *pgstore.Config) { c.LockTimeout = 150 * time.Millisecond })
 			k := newLayoutKeys(l.cfg)
 			ctx := context.Background()
 			held, _ := mustClaim(t, s, k.claim("m-b"), contract.Run) // counted: 1 attempt of m-b
 			defer release(held)
 			ds := sortedByKey(k.claim("m-a"), k.claim("m-b"))
+			start := time.Now()
 			bt, cs, err := s.ClaimBatch(ctx, ds)
 			if err != nil {
 				t.Fatalf("batch claim: %v", err)
+			}
+			if d := time.Since(start); d > 3*time.Second {
+				t.Fatalf("the batch claim took %s behind a held key", d)
 			}
 			for i, d := range ds {
 				want := contract.Run
@@ -91,16 +95,18 @@ func TestBatchWithAHeldKeyTakesNoLockAway(t *testing.T) {
 					t.Fatalf("member %d: %s, want %s", i, decisionName(cs[i].Decision), decisionName(want))
 				}
 			}
-			// The pool's two connections are in use: read on a connection of its own.
-			if n, _ := attemptsRow(t, sideConn(t, sch.URL), s, k.claim("m-a").Key); n != 1 {
+			if n, _ := attemptsRow(t, sch.Pool, s, k.claim("m-a").Key); n != 1 {
 				t.Fatalf("m-a counted %d times in the batch, want once", n)
 			}
 			if err := bt.Rollback(ctx); err != nil {
 				t.Fatal(err)
 			}
-			// The pool's other connection is the one the batch used.
-			if locks := advisoryLocks(t, sch.Pool); locks != 0 {
-				t.Fatalf("the batch's connection went back to the pool holding %d advisory locks", locks)
+			for _, c := range sch.Pool.AcquireAllIdle(ctx) {
+				locks := advisoryLocks(t, c)
+				c.Release()
+				if locks != 0 {
+					t.Fatalf("a pooled connection holds %d advisory locks after the batch", locks)
+				}
 			}
 			if n, ok := attemptsRow(t, sch.Pool, s, k.claim("m-a").Key); ok {
 				t.Fatalf("m-a has %d attempts after the rollback, want no record (taken back)", n)
@@ -110,6 +116,49 @@ func TestBatchWithAHeldKeyTakesNoLockAway(t *testing.T) {
 			}
 			if rows := claimRows(t, sch.Pool, s, k.id("m-a")); rows != 0 {
 				t.Fatalf("%d rows of m-a after the rollback", rows)
+			}
+		})
+	}
+}
+
+// TestBatchRollbackTakesItsCountsBackWithThePoolInUse: a batch whose members counted first is
+// rolled back while every other pool connection is in use (a pool of 2, the other held by a
+// delivery in flight): the counts are taken back all the same, and at once (the batch's own
+// connection is free after its ROLLBACK), not left as an attempt the members never made;
+// Rollback, and a Commit refused because the handler ended the transaction.
+func TestBatchRollbackTakesItsCountsBackWithThePoolInUse(t *testing.T) {
+	for _, end := range []string{"Rollback", "refused Commit"} {
+		t.Run(end, func(t *testing.T) {
+			s, sch := layoutStore(t, 2, pgstore.Config{})
+			ctx := context.Background()
+			held, _ := mustClaim(t, s, plain("m-other", "c"), contract.Run)
+			defer release(held)
+			ds := []contract.Delivery{countedFirst(plain("m-a", "c"), true), countedFirst(plain("m-b", "c"), true)}
+			bt, _, err := s.ClaimBatch(ctx, ds)
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			if end == "Rollback" {
+				err = bt.Rollback(ctx)
+			} else {
+				_ = handlerTx(t, bt).Rollback(ctx)
+				if err = bt.Commit(ctx); errors.Is(err, contract.ErrTxEnded) {
+					err = nil
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			took := time.Since(start)
+			side := sideConn(t, sch.URL)
+			for _, d := range ds {
+				if n, ok := attemptsRow(t, side, s, d.Key); ok {
+					t.Errorf("%s has %d attempts after the batch's %s (%s), want no record: its count was not taken back", d.Key.MessageID, n, end, took.Round(time.Millisecond))
+				}
+			}
+			if took > 2*time.Second {
+				t.Errorf("the batch's %s took %s with the pool in use", end, took.Round(time.Millisecond))
 			}
 		})
 	}
