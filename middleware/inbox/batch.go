@@ -433,10 +433,14 @@ func (r *batchRun) runMember(k int) (ended bool, retry []*member, retryErr error
 	if herr == nil && !run.goexit {
 		return false, nil, nil
 	}
+	if errors.Is(herr, ErrTxEnded) {
+		r.txEnded(k)
+		return true, nil, nil
+	}
 	kind := failAbandoned // runtime.Goexit: the member settles itself as abandoned
 	switch {
 	case run.goexit:
-	case run.panicked, errors.Is(herr, ErrTxEnded):
+	case run.panicked:
 		kind = failMessage // as in the immediate mode
 	default:
 		kind = i.failKindOf(d, herr)
@@ -468,6 +472,25 @@ func (r *batchRun) runMember(k int) (ended bool, retry []*member, retryErr error
 		return true, nil, nil
 	}
 	return false, nil, nil
+}
+
+// txEnded ends the batch after member k's handler ended (or tried to end) the shared
+// transaction. A COMMIT statement may have committed every claim the batch held: the members
+// whose handlers have not run are taken out first (the store deletes their claims), then the
+// transaction rolls back and every member still in it, k included, runs again alone, where a
+// member that ran is a duplicate if its work committed and runs again if not, and k's own
+// misbehaviour is its own failure.
+func (r *batchRun) txEnded(k int) {
+	for j := k + 1; j < len(r.ms); j++ {
+		if r.in[j] {
+			if _, err := r.tx.Drop(r.ctx, j, contract.Failure{}); err != nil {
+				r.i.logger.Error("Could not take a member out of a batch its neighbour ended", err, watermill.LogFields{"message_uuid": safeUUID(r.ms[j].d.msg.UUID)})
+			}
+			r.in[j] = false
+			again(r.ms[j])
+		}
+	}
+	r.rollbackAfter(nil)
 }
 
 func errText(err error) string {

@@ -232,6 +232,14 @@ func TestCommitResponseLostThenRedeliveryIsDuplicate(t *testing.T) {
 		}
 		return out, err
 	})
+	// A first message on the one connection: its statements are prepared, so the lost answer
+	// below is COMMIT's, not a prepare's.
+	lose = false
+	if err := deliver(h, paymentMsg("m-warm", 7, 1)); err != nil {
+		t.Fatal(err)
+	}
+	lose = true
+	e.runs.Store(0)
 	msg := paymentMsg("m-commit-lost", 6, 400)
 	if err := deliver(h, msg); err == nil {
 		t.Fatal("a commit whose answer never arrived returned success; it must nack")
@@ -240,11 +248,14 @@ func TestCommitResponseLostThenRedeliveryIsDuplicate(t *testing.T) {
 	if err := deliver(h, msg); err != nil {
 		t.Fatalf("redelivery: %v", err)
 	}
-	if b, n := e.balance(6), e.rows(""); b != 400 || n != 1 {
+	if b, n := e.balance(6), e.rows("message_id = $1", msg.UUID); b != 400 || n != 1 {
 		t.Fatalf("balance %d, rows %d; want 400 and 1", b, n)
 	}
 	if s := ib.Stats(); s.Duplicates != 1 || e.runs.Load() != 1 {
 		t.Fatalf("stats %+v, handler runs %d; want the redelivery resolved as a duplicate without running the handler", s, e.runs.Load())
+	}
+	if b := e.balance(7); b != 1 {
+		t.Fatalf("warm-up balance %d, want 1", b)
 	}
 }
 

@@ -253,8 +253,9 @@ func (t *batchTx) Healthy() error {
 // Drop takes member k out of the batch: f is recorded first (on a second pool connection,
 // while the batch still holds the key's lock, so the key's next delivery reads it), then, with
 // a savepoint open, ROLLBACK TO SAVEPOINT, the claim's DELETE and RELEASE SAVEPOINT; without
-// one, the claim's DELETE (nothing when the transaction is not healthy: the caller rolls the
-// batch back).
+// one, the claim's DELETE (nothing when the transaction is aborted: the caller rolls the batch
+// back). When a handler's statement ended the transaction, the claim is deleted outside it: a
+// COMMIT may have committed it.
 func (t *batchTx) Drop(ctx context.Context, k int, f contract.Failure) (int, error) {
 	if k < 0 || k >= len(t.members) || !t.members[k].in {
 		return 0, fmt.Errorf("pgstore: drop: no member %d in the batch", k)
@@ -269,6 +270,12 @@ func (t *batchTx) Drop(ctx context.Context, k int, f contract.Failure) (int, err
 	defer cancel()
 	drop := t.s.q.dropClaim
 	switch {
+	case t.h.endedOn(t.conn) != nil && !t.conn.Conn().IsClosed() && t.conn.Conn().PgConn().TxStatus() == 'I':
+		// A statement of a handler ended the transaction: a COMMIT in it committed the claims
+		// of members whose handlers had not run. Delete this one's, outside any transaction.
+		if _, err := t.conn.Exec(dctx, drop.sql, drop.args(keyArgs(m.key, t.periods[k]))...); err != nil {
+			return n, errors.Join(rerr, fmt.Errorf("pgstore: drop a member: %w", err))
+		}
 	case t.h.endedOn(t.conn) != nil:
 		return n, rerr
 	case t.saved:
@@ -324,7 +331,7 @@ func (t *batchTx) recordMember(ctx context.Context, k int, f contract.Failure) (
 
 // Commit commits every member still in the batch (after the same check as a single claim's
 // Commit) and, in the same round trip, clears the attempt records of the members that may
-// have one (queries/clear_processed.sql). A rollback certain at COMMIT takes the members'
+// have one (queries/clear_processed.sql, placed as claimTx.Commit places it). A rollback certain at COMMIT takes the members'
 // counts back, as Rollback does. Errors mean what a single claim's Commit errors mean.
 func (t *batchTx) Commit(ctx context.Context) error {
 	if t.ended {
@@ -335,30 +342,20 @@ func (t *batchTx) Commit(ctx context.Context) error {
 		return err
 	}
 	return t.end(ctx, func(ctx context.Context) error {
-		b := &pgconn.Batch{}
-		b.ExecParams("commit", nil, nil, nil, nil)
-		q := t.s.q.clearProcessed
+		var clear []clearKey
 		for k, m := range t.members {
 			if m.dirty {
-				b.ExecParams(q.sql, textArgs(q.args(keyArgs(m.key, t.periods[k]))), nil, nil, nil)
+				clear = append(clear, clearKey{m.key, t.periods[k]})
 			}
 		}
-		results, err := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear)
 		switch {
-		case len(results) > 0 && results[0].Err != nil:
-			err = results[0].Err
-		case len(results) > 0 && results[0].CommandTag.String() != "COMMIT":
-			err = pgx.ErrTxCommitRollback
-		case len(results) > 0:
+		case err == nil:
 			t.takeBack(ctx, false) // committed: only the pending records of dropped members
-			return nil
+		case errors.Is(err, contract.ErrCommitRolledBack):
+			t.takeBack(ctx, true)
 		}
-		var pgErr *pgconn.PgError
-		if !errors.Is(err, pgx.ErrTxCommitRollback) && !errors.As(err, &pgErr) {
-			return err // the outcome is unknown
-		}
-		t.takeBack(ctx, true)
-		return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
+		return err
 	})
 }
 
@@ -373,7 +370,8 @@ func (t *batchTx) Rollback(ctx context.Context) error {
 }
 
 // takeBack writes the pending records and, with members, takes back the counts of the members
-// still in the batch, on the pool. Best effort: a failure leaves one count too many for a
+// still in the batch, on the batch's own connection once its transaction has ended (else on
+// the pool). Best effort: a failure leaves one count too many for a
 // message, the cost of a crash at the same point.
 func (t *batchTx) takeBack(ctx context.Context, members bool) {
 	ps := t.pending
@@ -385,7 +383,13 @@ func (t *batchTx) takeBack(ctx context.Context, members bool) {
 			}
 		}
 	}
+	var q querier = t.s.pool
+	if !t.conn.Conn().IsClosed() && t.conn.Conn().PgConn().TxStatus() == 'I' {
+		q = t.conn // idle after its COMMIT or ROLLBACK: no wait for a pool connection
+	}
 	for _, p := range ps {
-		_, _ = t.s.record(ctx, t.s.pool, t.members[p.k].key, t.periods[p.k], p.delta, p.err)
+		if _, err := t.s.record(ctx, q, t.members[p.k].key, t.periods[p.k], p.delta, p.err); err != nil && q != querier(t.s.pool) {
+			_, _ = t.s.record(ctx, t.s.pool, t.members[p.k].key, t.periods[p.k], p.delta, p.err)
+		}
 	}
 }

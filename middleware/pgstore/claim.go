@@ -121,6 +121,7 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	// Commit clears the key's attempt record when it may have one: one was read, this
 	// delivery counted, or the snapshot could have missed one.
 	t.dirty = t.counting && (t.counted || rec.Attempts > 0 || rec.LastError != "" || lvl != pgx.ReadCommitted)
+	t.iso = lvl
 	t.h = &handlerTx{Tx: t.tx}
 	return t, c, nil
 }
@@ -277,31 +278,6 @@ func (s *Store) sendClaim(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch,
 	return err
 }
 
-// handlerTx is the transaction a handler gets: the inbox's pgx.Tx, whose Commit and Rollback
-// it refuses and remembers.
-type handlerTx struct {
-	pgx.Tx
-	ended atomic.Bool
-}
-
-func (h *handlerTx) Commit(context.Context) error   { h.ended.Store(true); return ErrTxOwnedByInbox }
-func (h *handlerTx) Rollback(context.Context) error { h.ended.Store(true); return ErrTxOwnedByInbox }
-
-// endedOn returns nil while the inbox transaction on conn is open and the handler has not tried
-// to end it, else an error wrapping contract.ErrTxEnded. A transaction in the failed state
-// (a swallowed failed statement) is open: COMMIT answers ROLLBACK for it. Nothing is sent.
-func (h *handlerTx) endedOn(conn *pgxpool.Conn) error {
-	switch {
-	case h.ended.Load():
-		return fmt.Errorf("%w: it called Commit or Rollback (%w)", contract.ErrTxEnded, contract.ErrCommitRolledBack)
-	case conn.Conn().IsClosed():
-		return fmt.Errorf("%w: its connection is closed (%w)", contract.ErrTxEnded, contract.ErrCommitRolledBack)
-	case conn.Conn().PgConn().TxStatus() == 'I':
-		return fmt.Errorf("%w: a COMMIT or ROLLBACK statement ran (%w)", contract.ErrTxEnded, contract.ErrCommitRolledBack)
-	}
-	return nil
-}
-
 // claimTx is an open claim transaction on a connection acquired for it; it releases the
 // connection once it ends.
 type claimTx struct {
@@ -316,6 +292,7 @@ type claimTx struct {
 	counted  bool // this delivery was counted before its handler
 	attempts int  // the key's count with this delivery's own, as the claim found it
 	dirty    bool // the key may have an attempt record for Commit to clear
+	iso      pgx.TxIsoLevel
 	poisoned bool // a cancel request was sent on conn: close it rather than reuse it
 	ended    bool
 	// commitFailed: Commit ended the transaction without committing (or with an unknown
@@ -352,63 +329,110 @@ func (t *claimTx) rollback(ctx context.Context) error {
 
 // Commit commits. It first checks, without a round trip, that the transaction is still the
 // inbox's and open (ErrTxEnded otherwise: PostgreSQL answers a COMMIT outside a transaction
-// with the tag COMMIT and a warning, which would ack a message whose claim is gone). COMMIT
-// and, when the key may have an attempt record, queries/clear_processed.sql travel in one
-// round trip; a crash between the two leaves a stale record of a processed key, which the
-// key's next duplicate removes.
+// with the tag COMMIT and a warning, which would ack a message whose claim is gone). When the
+// key may have an attempt record, queries/clear_processed.sql travels with COMMIT, in one
+// round trip: under READ COMMITTED before it, inside the transaction (it sees the count made
+// after the claim, and commits or rolls back with the claim); under REPEATABLE READ and
+// SERIALIZABLE, whose snapshot predates that count, after it, in a transaction of its own that
+// commits asynchronously (a crash between the two leaves a stale record of a processed key,
+// which the key's next duplicate removes).
 //
 // An error wraps inbox.ErrCommitRolledBack when the rollback is certain: the handler ended
 // the transaction (ErrTxEnded), the server answered ROLLBACK (a statement had failed), or
-// COMMIT raised an error (a *pgconn.PgError, such as a deferred constraint's SQLSTATE 23505,
-// or 40001 under SERIALIZABLE). Any other error leaves the outcome unknown.
+// COMMIT (or the clean-up before it) raised an error (a *pgconn.PgError, such as a deferred
+// constraint's SQLSTATE 23505, or 40001 under SERIALIZABLE). Any other error leaves the
+// outcome unknown.
 func (t *claimTx) Commit(ctx context.Context) error {
 	if t.ended {
 		return nil
 	}
 	if err := t.h.endedOn(t.conn); err != nil {
+		if t.committedByHandler(ctx) {
+			return nil
+		}
 		t.commitFailed = true
 		_ = t.end(ctx, t.rollback)
 		return err
 	}
 	return t.end(ctx, func(ctx context.Context) error {
-		b := &pgconn.Batch{}
-		b.ExecParams("commit", nil, nil, nil, nil)
+		var clear []clearKey
 		if t.dirty {
-			q := t.s.q.clearProcessed
-			b.ExecParams(q.sql, textArgs(q.args(keyArgs(t.key, t.period))), nil, nil, nil)
+			clear = []clearKey{{t.key, t.period}}
 		}
-		results, err := t.conn.Conn().PgConn().ExecBatch(ctx, b).ReadAll()
-		switch {
-		case len(results) > 0 && results[0].Err != nil:
-			err = results[0].Err
-		case len(results) > 0 && results[0].CommandTag.String() != "COMMIT":
-			err = pgx.ErrTxCommitRollback
-		case len(results) > 0:
-			return nil // committed; a failed clean-up after COMMIT only leaves a stale record
-		}
-		t.commitFailed = true
-		var pgErr *pgconn.PgError
-		if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
-			return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear)
+		if err != nil {
+			t.commitFailed = true
 		}
 		return err
 	})
 }
 
-// textArgs renders the parameters of a key statement for pgconn's ExecParams (text format).
-func textArgs(args []any) [][]byte {
-	out := make([][]byte, len(args))
-	for k, a := range args {
-		switch v := a.(type) {
-		case string:
-			out[k] = []byte(v)
-		case time.Time:
-			out[k] = []byte(v.Format(time.RFC3339Nano))
-		default:
-			panic(fmt.Sprintf("pgstore: textArgs: %T", a))
+// committedByHandler reports whether a statement of the handler committed the transaction
+// (a multi-statement string ending with COMMIT, which handlerTx's guard cannot see): the
+// connection is idle and the claim is in the table. The claim and the handler's writes then
+// committed together, so the message is processed: the attempt record is cleared as Commit
+// would have, and the transaction ends as committed. Otherwise it ends as failed.
+func (t *claimTx) committedByHandler(ctx context.Context) bool {
+	if t.h.ended.Load() || t.conn.Conn().IsClosed() || t.conn.Conn().PgConn().TxStatus() != 'I' {
+		return false
+	}
+	committed := false
+	_ = t.end(ctx, func(ctx context.Context) error {
+		q := t.s.q.storedHash
+		a := keyArgs(t.key, t.period)
+		err := t.conn.QueryRow(ctx, q.sql, q.args(a)...).Scan(new(any))
+		committed = err == nil
+		if committed && t.dirty {
+			_, _ = t.conn.Exec(ctx, t.s.q.clearProcessed.sql, t.s.q.clearProcessed.args(a)...)
+		}
+		if !committed {
+			t.commitFailed = true
+		}
+		return nil
+	})
+	return committed
+}
+
+// clearKey names a key whose attempt record the commit clears.
+type clearKey struct {
+	key    inbox.Key
+	period time.Time
+}
+
+// commitWith sends COMMIT on conn with the clean-up of clear's attempt records (see
+// claimTx.Commit), and classifies its outcome.
+func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey) error {
+	q := s.q.clearProcessed
+	inside := iso == pgx.ReadCommitted && conn.Conn().PgConn().TxStatus() == 'T'
+	b := &pgx.Batch{}
+	if inside {
+		for _, c := range clear {
+			b.Queue(q.sql, q.args(keyArgs(c.key, c.period))...)
 		}
 	}
-	return out
+	var tag pgconn.CommandTag
+	b.Queue("commit").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
+	if !inside {
+		for _, c := range clear {
+			b.Queue(s.q.clearProcessedAsync.sql, s.q.clearProcessedAsync.args(keyArgs(c.key, c.period))...)
+		}
+	}
+	err := conn.Conn().SendBatch(ctx, b).Close()
+	switch {
+	case tag.String() == "COMMIT":
+		return nil // committed; a failed clean-up after COMMIT only leaves a stale record
+	case tag.String() != "":
+		err = pgx.ErrTxCommitRollback
+	}
+	var pgErr *pgconn.PgError
+	if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
+		if tag.String() == "" && !conn.Conn().IsClosed() && conn.Conn().PgConn().TxStatus() != 'I' {
+			// The clean-up failed before COMMIT ran: the transaction is aborted; end it.
+			_, _ = conn.Conn().PgConn().Exec(ctx, "rollback").ReadAll()
+		}
+		return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
+	}
+	return err
 }
 
 // failAcquireTimeout bounds Fail's wait for a second pool connection; past it Fail records
@@ -422,7 +446,7 @@ const failAcquireTimeout = 500 * time.Millisecond
 // the claim and the key's lock, and only then is this transaction rolled back, so a copy
 // waiting for the key reads it. When no second connection is free within failAcquireTimeout
 // (a pool exhausted by deliveries that all fail at once), it rolls back first and records
-// afterwards. After a failed Commit it records on the pool.
+// afterwards, on its own connection. After a failed Commit it records on the pool.
 func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 	if t.ended && !t.commitFailed {
 		return t.attempts, nil // committed, or failed already
@@ -459,7 +483,12 @@ func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 			}
 			// The server refused it, so nothing was applied: once more, after the rollback.
 		} else {
-			rerr = t.end(ctx, t.rollback)
+			n, rerr, aerr := t.rollbackAndRecord(ctx, delta, errText)
+			if aerr != nil {
+				return estimate, fmt.Errorf("pgstore: record the failure: %w", errors.Join(aerr, rerr))
+			}
+			t.attempts = n
+			return n, rerr
 		}
 	}
 	n, aerr := t.s.record(dctx, t.s.pool, t.key, t.period, delta, errText)
@@ -468,6 +497,21 @@ func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 	}
 	t.attempts = n
 	return n, rerr
+}
+
+// rollbackAndRecord is Fail's fallback when no second connection is free: it rolls back, then
+// records on the transaction's own connection, before releasing it.
+func (t *claimTx) rollbackAndRecord(ctx context.Context, delta int, errText string) (n int, rerr, aerr error) {
+	rerr = t.end(ctx, func(ctx context.Context) error {
+		err := t.rollback(ctx)
+		if t.conn.Conn().IsClosed() {
+			n, aerr = t.s.record(ctx, t.s.pool, t.key, t.period, delta, errText)
+		} else {
+			n, aerr = t.s.record(ctx, t.conn, t.key, t.period, delta, errText)
+		}
+		return err
+	})
+	return n, rerr, aerr
 }
 
 // querier is what record runs on: the pool, or a connection acquired from it.

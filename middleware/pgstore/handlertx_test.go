@@ -34,13 +34,24 @@ var handlerEnds = []handlerEnd{
 		}
 	}},
 	{"rollback-statement", true, func(t *testing.T, ctx context.Context, tx pgx.Tx) {
-		if _, err := tx.Exec(ctx, "rollback"); err != nil {
-			t.Fatal(err)
+		// Refused before it is sent: it would end the inbox transaction.
+		if _, err := tx.Exec(ctx, "rollback"); !errors.Is(err, pgstore.ErrTxOwnedByInbox) {
+			t.Fatalf("ROLLBACK through the handler's transaction: %v, want ErrTxOwnedByInbox", err)
 		}
 	}},
 	{"commit-statement", true, func(t *testing.T, ctx context.Context, tx pgx.Tx) {
-		if _, err := tx.Exec(ctx, "commit"); err != nil {
+		// Refused before it is sent: it would end the inbox transaction.
+		if _, err := tx.Exec(ctx, "commit"); !errors.Is(err, pgstore.ErrTxOwnedByInbox) {
+			t.Fatalf("COMMIT through the handler's transaction: %v, want ErrTxOwnedByInbox", err)
+		}
+	}},
+	{"rollback-in-a-string-then-a-write", true, func(t *testing.T, ctx context.Context, tx pgx.Tx) {
+		if _, err := tx.Exec(ctx, "SELECT 1; ROLLBACK"); err != nil {
 			t.Fatal(err)
+		}
+		// Refused: outside the inbox transaction it would commit on its own.
+		if _, err := tx.Exec(ctx, "SELECT 1"); !errors.Is(err, pgstore.ErrTxOwnedByInbox) {
+			t.Fatalf("a statement after the transaction ended: %v, want ErrTxOwnedByInbox", err)
 		}
 	}},
 	{"close-connection", true, func(t *testing.T, ctx context.Context, tx pgx.Tx) {

@@ -116,20 +116,22 @@ type queries struct {
 	claim, record, storedHash, count, clearProcessed query
 	countFailure, settleCount, markDeadLettered      query
 	replay, dropClaim, registerConsumer              query
+	clearProcessedAsync                              query
 }
 
 func newQueries(n queryNames) queries {
 	return queries{
-		claim:            renderQuery("claim", n),
-		record:           renderQuery("record", n),
-		storedHash:       renderQuery("stored_hash", n),
-		count:            renderQuery("count", n),
-		clearProcessed:   renderQuery("clear_processed", n),
-		countFailure:     renderQuery("count_failure", n),
-		settleCount:      renderQuery("settle_count", n),
-		markDeadLettered: renderQuery("mark_dead_lettered", n),
-		replay:           renderQuery("replay", n),
-		dropClaim:        renderQuery("drop_claim", n),
-		registerConsumer: renderQuery("register_consumer", n),
+		claim:               renderQuery("claim", n),
+		record:              renderQuery("record", n),
+		storedHash:          renderQuery("stored_hash", n),
+		count:               renderQuery("count", n),
+		clearProcessed:      renderQuery("clear_processed", n),
+		clearProcessedAsync: renderQuery("clear_processed_async", n),
+		countFailure:        renderQuery("count_failure", n),
+		settleCount:         renderQuery("settle_count", n),
+		markDeadLettered:    renderQuery("mark_dead_lettered", n),
+		replay:              renderQuery("replay", n),
+		dropClaim:           renderQuery("drop_claim", n),
+		registerConsumer:    renderQuery("register_consumer", n),
 	}
 }
