@@ -321,10 +321,11 @@ func testNotTheMessagesFaultTakesTheCountBack(t *testing.T, s contract.Store) {
 		}
 	}
 	noRecord(t, s, "m1")
-	_, c := claim(t, s, counted("m1", true), contract.Run)
+	tx, c := claim(t, s, counted("m1", true), contract.Run)
 	if c.Attempts != 0 {
 		t.Fatalf("earlier attempts %d, want 0", c.Attempts)
 	}
+	commit(t, tx)
 }
 
 func testExhaustedAfterMaxAttempts(t *testing.T, s contract.Store) {
@@ -401,7 +402,8 @@ func testUnsettledAttemptsRunAlone(t *testing.T, s contract.Store) {
 		t.Fatalf("claim alone: %+v, want 1 earlier attempt", c)
 	}
 	fail(t, tx, contract.Failure{Counts: true, Error: "boom"})
-	_, _ = claim(t, s, d, contract.Run) // an error is recorded: no suspect
+	tx, _ = claim(t, s, d, contract.Run) // an error is recorded: no suspect
+	commit(t, tx)
 }
 
 func testDeadLetteredUntilReplay(t *testing.T, s contract.Store) {
@@ -501,10 +503,11 @@ func testBatchRollbackLeavesNoMark(t *testing.T, s contract.Store) {
 	}
 	for _, id := range []string{"a", "b"} {
 		noRecord(t, s, id)
-		_, c := claim(t, s, counted(id, true), contract.Run)
+		tx, c := claim(t, s, counted(id, true), contract.Run)
 		if c.Attempts != 0 {
 			t.Fatalf("%s after a rolled-back batch: %+v (the batch's counts are taken back)", id, c)
 		}
+		commit(t, tx)
 	}
 }
 
