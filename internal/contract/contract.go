@@ -101,6 +101,9 @@ type Claim struct {
 	// LastError is the last handler error recorded for the key (truncated by the store);
 	// empty when none was (the deliveries crashed).
 	LastError string
+	// StoredAt is when the existing claim was stored, for a Duplicate or a Collision (by the
+	// database's clock; a store may round it down, pgstore's compact layout to the minute).
+	StoredAt time.Time
 }
 
 // Record is a key's attempt record as a store read it at a claim.

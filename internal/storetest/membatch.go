@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"time"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 )
@@ -104,7 +105,7 @@ func (b *MemBatchTx) Commit(context.Context) error {
 		if m == nil {
 			continue
 		}
-		b.s.rows[m.key] = m.hash
+		b.s.rows[m.key] = memRow{m.hash, time.Now()}
 		if m.counting && !b.s.records[m.key].DeadLettered {
 			delete(b.s.records, m.key)
 		}

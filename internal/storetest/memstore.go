@@ -31,10 +31,15 @@ var ErrConfigFault = errors.New("storetest: simulated configuration fault")
 type MemStore struct {
 	mu      sync.Mutex
 	wake    chan struct{} // closed and replaced on every change
-	rows    map[contract.Key][]byte
+	rows    map[contract.Key]memRow
 	held    map[contract.Key]bool
 	records map[contract.Key]MemRecord
 	values  map[string]int64
+}
+
+type memRow struct {
+	hash []byte
+	at   time.Time
 }
 
 // MemRecord is a key's attempt record in a MemStore.
@@ -51,7 +56,7 @@ var _ contract.Store = (*MemStore)(nil)
 func NewMemStore() *MemStore {
 	return &MemStore{
 		wake:    make(chan struct{}),
-		rows:    map[contract.Key][]byte{},
+		rows:    map[contract.Key]memRow{},
 		held:    map[contract.Key]bool{},
 		records: map[contract.Key]MemRecord{},
 		values:  map[string]int64{},
@@ -153,11 +158,13 @@ func (s *MemStore) Claim(ctx context.Context, d contract.Delivery) (contract.Tx,
 func (s *MemStore) claimLocked(d contract.Delivery) (*MemTx, contract.Claim) {
 	k := d.Key
 	counting := d.MaxAttempts > 0
-	if stored, done := s.rows[k]; done {
+	if row, done := s.rows[k]; done {
 		if counting && !s.records[k].DeadLettered {
 			delete(s.records, k) // stale: the key is processed
 		}
-		return nil, contract.Decide(d, false, stored, contract.Record{})
+		c := contract.Decide(d, false, row.hash, contract.Record{})
+		c.StoredAt = row.at
+		return nil, c
 	}
 	r := s.records[k]
 	c := contract.Decide(d, true, nil, contract.Record{Attempts: r.Attempts, LastError: r.LastError, DeadLettered: r.DeadLettered && counting})
@@ -274,7 +281,7 @@ func (t *MemTx) Commit(context.Context) error {
 	if t.ended {
 		return nil
 	}
-	t.s.rows[t.key] = t.hash
+	t.s.rows[t.key] = memRow{t.hash, time.Now()}
 	for name, d := range t.writes {
 		t.s.values[name] += d
 	}

@@ -390,8 +390,10 @@ func (i *Inbox) decide(d *delivery, c contract.Claim) (f *failure, run bool) {
 		return nil, true
 	case contract.Duplicate:
 		d.res.Outcome = OutcomeDuplicate
+		d.res.DuplicateAge = since(c.StoredAt)
 	case contract.Collision:
 		d.res.Outcome = OutcomeCollision
+		d.res.DuplicateAge = since(c.StoredAt)
 	case contract.DeadLettered:
 		d.res.Outcome = OutcomeDeadLetteredSkip
 	case contract.Exhausted:
@@ -463,6 +465,14 @@ func (i *Inbox) run(d *delivery, h message.HandlerFunc, tx contract.Tx) *failure
 		return i.fail(d, tx, kind, fmt.Errorf("inbox: commit (outcome unknown): %w", err))
 	}
 	return i.fail(d, tx, kind, fmt.Errorf("inbox: commit: %w", err))
+}
+
+// since is the age of t, zero for a zero t (a store that does not say) or one in the future.
+func since(t time.Time) time.Duration {
+	if t.IsZero() {
+		return 0
+	}
+	return max(time.Since(t), 0)
 }
 
 // fail ends a transaction that did not commit (or records after a failed commit), counting

@@ -90,6 +90,12 @@ type Result struct {
 	// hash), whatever became of it: OutcomeCollision, OutcomeDeadLettered or
 	// OutcomeFailedFinal. (An invalid key is a Result whose Key.MessageID is empty.)
 	Collision bool
+	// DuplicateAge is, for a duplicate (and a key collision), how long before this delivery
+	// the key's claim was stored: the age of the copy that arrived. The retention window must
+	// be longer than the oldest duplicate a consumer gets (inboxmetrics exports it as a
+	// histogram). Measured against the database's clock, rounded down to the minute in
+	// pgstore's compact layout; zero for other outcomes.
+	DuplicateAge time.Duration
 	// Claim, Handler and Commit are the time spent in the last transaction's claim
 	// (including a wait behind a concurrent copy), handler and commit. Zero when the step
 	// did not run.

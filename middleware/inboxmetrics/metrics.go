@@ -22,6 +22,12 @@ const Namespace = "watermill_inbox"
 // claim waiting behind a slow concurrent copy, bounded by inbox.DefaultClaimTimeout, 30 s).
 var DefaultBuckets = []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
 
+// DuplicateAgeBuckets are the bucket upper bounds, in seconds, of duplicate_age_seconds:
+// from a second (a redelivery after a nack) to 60 days (an offset reset or a replay long after
+// the event), by the steps a retention window is chosen in.
+var DuplicateAgeBuckets = []float64{1, 10, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 86400, 2 * 86400, 3 * 86400,
+	7 * 86400, 14 * 86400, 30 * 86400, 60 * 86400}
+
 // Options configures Metrics. The zero value is ready to use.
 type Options struct {
 	// Buckets overrides DefaultBuckets (seconds, increasing).
@@ -53,6 +59,7 @@ type Metrics struct {
 	claim       *prometheus.HistogramVec
 	handler     *prometheus.HistogramVec
 	commit      *prometheus.HistogramVec
+	dupAge      *prometheus.HistogramVec
 	relayed     *prometheus.CounterVec
 	relayLag    *prometheus.HistogramVec
 	relayErrors *prometheus.CounterVec
@@ -105,6 +112,9 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 			"Time in the handler and in storing its produced messages in the outbox.", "consumer", "topic"),
 		commit: histogram("commit_duration_seconds",
 			"Time of the inbox transaction's COMMIT.", "consumer", "topic"),
+		dupAge: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: Namespace, Name: "duplicate_age_seconds",
+			Help:    "Age of each duplicate (and key collision) when it arrived: now minus when its key's claim was stored. Set the retention window above its maximum, with a margin.",
+			Buckets: DuplicateAgeBuckets, ConstLabels: opts.ConstLabels}, []string{"consumer", "topic"}),
 		relayed: counter("outbox_relayed_messages_total",
 			"Messages the outbox relay published to the broker, by destination topic (at least once: a republish after a crash counts again).", "topic"),
 		relayLag: histogram("outbox_relay_lag_seconds",
@@ -119,7 +129,7 @@ func New(reg prometheus.Registerer, opts Options) (*Metrics, error) {
 	m.topics = newBounded(opts.MaxTopics, m.bound.WithLabelValues("topic"))
 	m.relayTopics = newBounded(opts.MaxTopics, m.bound.WithLabelValues("relay_topic"))
 	for _, c := range []prometheus.Collector{m.deliveries, m.invalidKeys, m.collisions, m.txRetries, m.keyBrakes, m.isolated,
-		m.claim, m.handler, m.commit, m.relayed, m.relayLag, m.relayErrors, m.bound} {
+		m.claim, m.handler, m.commit, m.dupAge, m.relayed, m.relayLag, m.relayErrors, m.bound} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("inboxmetrics: register: %w", err)
 		}
@@ -194,6 +204,9 @@ func (o observer) ObserveDelivery(ctx context.Context, r inbox.Result) {
 	}
 	if r.Commit > 0 {
 		m.commit.WithLabelValues(o.consumer, topic).Observe(r.Commit.Seconds())
+	}
+	if r.DuplicateAge > 0 {
+		m.dupAge.WithLabelValues(o.consumer, topic).Observe(r.DuplicateAge.Seconds())
 	}
 }
 

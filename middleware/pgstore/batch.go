@@ -111,13 +111,14 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	t.h = &handlerTx{Tx: t.tx}
 	claims := make([]contract.Claim, len(ds))
 	stored := make([][]byte, len(ds))
+	storedAt := make([]time.Time, len(ds))
 	held := make([]bool, len(ds))
 	b = &pgx.Batch{}
 	for k, d := range ds {
 		m := &t.members[k]
 		if !claimed[k] {
 			b.Queue(s.q.storedHash.sql, s.q.storedHash.args(keyArgs(d.Key, t.periods[k]))...).QueryRow(func(row pgx.Row) error {
-				err := s.scanHash(row, &stored[k])
+				err := s.scanHash(row, &stored[k], &storedAt[k])
 				if errors.Is(err, pgx.ErrNoRows) {
 					held[k] = true
 					return nil
@@ -148,6 +149,7 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 			claims[k] = contract.Claim{Decision: contract.RunAlone}
 		default:
 			claims[k] = contract.Decide(d, false, stored[k], contract.Record{})
+			claims[k].StoredAt = storedAt[k]
 		}
 	}
 	return claims, nil

@@ -96,11 +96,13 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 		return nil, contract.Claim{}, fmt.Errorf("pgstore: claim: %w", s.wrapNoPartition(err, period))
 	}
 	if !claimed {
-		stored, err := t.endDuplicate(ctx)
+		stored, at, err := t.endDuplicate(ctx)
 		if err != nil {
 			return nil, contract.Claim{}, err
 		}
-		return nil, contract.Decide(d, false, stored, contract.Record{}), nil
+		c := contract.Decide(d, false, stored, contract.Record{})
+		c.StoredAt = at
+		return nil, c, nil
 	}
 	c := contract.Decide(d, true, nil, rec)
 	if c.Decision == contract.Run && t.counting && d.CountFirst {
@@ -147,14 +149,15 @@ func (t *claimTx) countFirst(ctx context.Context, d contract.Delivery, c contrac
 // reads the stored payload hash, rolls back and, with counting, deletes the key's stale
 // attempt record (the key is processed). No stored row means the key's lock was held by a
 // delivery in flight: errKeyHeld, and the record is left alone (the delete checks the row).
-func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, error) {
+func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 	s := t.s
 	var stored []byte
+	var at time.Time
 	held := false
 	err := t.end(ctx, func(ctx context.Context) error {
 		b := &pgx.Batch{}
 		b.Queue(s.q.storedHash.sql, s.q.storedHash.args(keyArgs(t.key, t.period))...).QueryRow(func(row pgx.Row) error {
-			err := s.scanHash(row, &stored)
+			err := s.scanHash(row, &stored, &at)
 			if errors.Is(err, pgx.ErrNoRows) {
 				held = true
 				return nil
@@ -172,12 +175,12 @@ func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, error) {
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return nil, time.Time{}, err
 	}
 	if held {
-		return nil, errKeyHeld
+		return nil, time.Time{}, errKeyHeld
 	}
-	return stored, nil
+	return stored, at, nil
 }
 
 func scanRecord(row pgx.Row, rec *contract.Record) error {
@@ -380,7 +383,7 @@ func (t *claimTx) committedByHandler(ctx context.Context) bool {
 	_ = t.end(ctx, func(ctx context.Context) error {
 		q := t.s.q.storedHash
 		a := keyArgs(t.key, t.period)
-		err := t.conn.QueryRow(ctx, q.sql, q.args(a)...).Scan(new(any))
+		err := t.conn.QueryRow(ctx, q.sql, q.args(a)...).Scan(new(any), new(any))
 		committed = err == nil
 		if committed && t.dirty {
 			_, _ = t.conn.Exec(ctx, t.s.q.clearProcessed.sql, t.s.q.clearProcessed.args(a)...)

@@ -222,14 +222,14 @@ func compactHash(h []byte) *int16 {
 	return &v
 }
 
-// scanHash scans the stored payload hash into dst, as bytes (compactHashBytes bytes in the
-// compact layout).
-func (s *Store) scanHash(row pgx.Row, dst *[]byte) error {
+// scanHash scans a row of queries/stored_hash.sql: the stored payload hash into dst, as bytes
+// (compactHashBytes bytes in the compact layout), and when the claim was stored into at.
+func (s *Store) scanHash(row pgx.Row, dst *[]byte, at *time.Time) error {
 	if s.cfg.Layout != LayoutCompact {
-		return row.Scan(dst)
+		return row.Scan(dst, at)
 	}
 	var v *int16
-	if err := row.Scan(&v); err != nil || v == nil {
+	if err := row.Scan(&v, at); err != nil || v == nil {
 		return err
 	}
 	*dst = binary.BigEndian.AppendUint16(nil, uint16(*v))
