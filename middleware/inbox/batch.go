@@ -374,9 +374,14 @@ func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr err
 	r := &batchRun{i: i, bt: bt, tx: tx, ctx: bctx, ms: ms, in: make([]bool, len(ms))}
 	for k, m := range ms {
 		f, run := i.decide(m.d, claims[k])
-		if run {
+		switch {
+		case run:
 			r.in[k] = true
-		} else {
+		case f != nil && f.kind == failIsolate:
+			// Its key is held by a delivery in flight (or it must run alone): claimed alone,
+			// it waits for the key.
+			again(m)
+		default:
 			r.later = append(r.later, left{m, f})
 		}
 	}

@@ -586,6 +586,11 @@ func abandonedWhy(ctx context.Context) string {
 
 // settleFailure decides what a failure becomes: a dead letter, or an error for the router.
 func (i *Inbox) settleFailure(d *delivery, f *failure) {
+	if f.err == nil {
+		// Never reached by design (every failure names its error); a failure without one must
+		// still nack, never ack.
+		f.err = errors.New("inbox: delivery not settled")
+	}
 	d.res.Err = f.err
 	d.res.Attempts = d.attempts
 	if f.kind != failMessage {
