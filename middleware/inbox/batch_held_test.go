@@ -27,6 +27,7 @@ func TestBatchMemberWhoseKeyIsHeldWaitsForIt(t *testing.T) {
 				if err != nil || c.Decision != contract.Run {
 					t.Fatalf("hold the key: %v %+v", err, c)
 				}
+				t.Cleanup(func() { _, _ = tx.Fail(context.Background(), contract.Failure{}) })
 				done := make(chan []error, 1)
 				go func() {
 					done <- deliverAll(h, paymentMsg("m-a", 1, 1), paymentMsg("m-held", 1, 10), paymentMsg("m-c", 1, 100))
