@@ -203,15 +203,7 @@ type batchTx struct {
 	iso     pgx.TxIsoLevel
 	periods []time.Time // the members' partition periods (partitioned mode)
 	members []member
-	pending []settle // records Drop could not write before the batch ended
-	saved   bool     // a savepoint is open
-}
-
-// settle is a record to write for a member: delta and last error.
-type settle struct {
-	k     int
-	delta int
-	err   string
+	saved   bool // a savepoint is open
 }
 
 func (t *batchTx) Context(ctx context.Context) context.Context {
@@ -300,8 +292,8 @@ func (t *batchTx) Drop(ctx context.Context, k int, f contract.Failure) (int, err
 	return n, rerr
 }
 
-// recordMember records member k's failure f now, or, when no second connection is free, once
-// the batch has ended.
+// recordMember records member k's failure f on the store's count connection (count.go), while
+// the batch still holds the key.
 func (t *batchTx) recordMember(ctx context.Context, k int, f contract.Failure) (int, error) {
 	m := &t.members[k]
 	delta := b2i(f.Counts) - b2i(m.counted)
@@ -313,20 +305,9 @@ func (t *batchTx) recordMember(ctx context.Context, k int, f contract.Failure) (
 	if f.Counts {
 		errText = f.Error
 	}
-	estimate := max(m.attempts+b2i(f.Counts), 0)
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
-	defer cancel()
-	actx, acancel := context.WithTimeout(dctx, min(t.finish, failAcquireTimeout))
-	conn, err := t.s.pool.Acquire(actx)
-	acancel()
+	n, err := t.s.counter.record(m.key, t.periods[k], delta, errText, t.finish)
 	if err != nil {
-		t.pending = append(t.pending, settle{k: k, delta: delta, err: errText})
-		return estimate, nil
-	}
-	defer conn.Release()
-	n, err := t.s.record(dctx, conn, m.key, t.periods[k], delta, errText)
-	if err != nil {
-		return estimate, fmt.Errorf("pgstore: record the failure: %w", err)
+		return max(m.attempts+b2i(f.Counts), 0), fmt.Errorf("pgstore: record the failure: %w", err)
 	}
 	return n, nil
 }
@@ -350,10 +331,9 @@ func (t *batchTx) Commit(ctx context.Context) error {
 				clear = append(clear, clearKey{m.key, t.periods[k]})
 			}
 		}
-		err := t.s.commitWith(ctx, t.conn, t.iso, clear)
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear, "")
 		switch {
 		case err == nil:
-			t.takeBack(ctx, false) // committed: only the pending records of dropped members
 		case errors.Is(err, contract.ErrCommitRolledBack):
 			t.takeBack(ctx, true)
 		}
@@ -361,8 +341,8 @@ func (t *batchTx) Commit(ctx context.Context) error {
 	})
 }
 
-// Rollback rolls the batch back, then writes the records Drop left pending and takes back the
-// counts of the members still in the batch that were counted.
+// Rollback rolls the batch back, then takes back the counts of the members still in the batch
+// that were counted.
 func (t *batchTx) Rollback(ctx context.Context) error {
 	return t.end(ctx, func(ctx context.Context) error {
 		err := t.rollback(ctx)
@@ -371,27 +351,16 @@ func (t *batchTx) Rollback(ctx context.Context) error {
 	})
 }
 
-// takeBack writes the pending records and, with members, takes back the counts of the members
-// still in the batch, on the batch's own connection once its transaction has ended (else on
-// the pool). Best effort: a failure leaves one count too many for a
-// message, the cost of a crash at the same point.
-func (t *batchTx) takeBack(ctx context.Context, members bool) {
-	ps := t.pending
-	t.pending = nil
-	if members {
-		for k, m := range t.members {
-			if m.in && m.counted {
-				ps = append(ps, settle{k: k, delta: -1})
-			}
-		}
+// takeBack takes back, with members, the counts of the members still in the batch that were
+// counted, on the store's count connection (count.go). Best effort: a failure leaves one count
+// too many for a message, the cost of a crash at the same point.
+func (t *batchTx) takeBack(_ context.Context, members bool) {
+	if !members {
+		return
 	}
-	var q querier = t.s.pool
-	if !t.conn.Conn().IsClosed() && t.conn.Conn().PgConn().TxStatus() == 'I' {
-		q = t.conn // idle after its COMMIT or ROLLBACK: no wait for a pool connection
-	}
-	for _, p := range ps {
-		if _, err := t.s.record(ctx, q, t.members[p.k].key, t.periods[p.k], p.delta, p.err); err != nil && q != querier(t.s.pool) {
-			_, _ = t.s.record(ctx, t.s.pool, t.members[p.k].key, t.periods[p.k], p.delta, p.err)
+	for k, m := range t.members {
+		if m.in && m.counted {
+			_, _ = t.s.counter.record(m.key, t.periods[k], -1, "", t.finish)
 		}
 	}
 }

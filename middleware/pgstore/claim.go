@@ -78,7 +78,14 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	s.queueTimeouts(b)
 	claimed := false
-	b.Queue(s.q.claim.sql, s.q.claim.args(s.claimArgs(d, period))...).Exec(func(ct pgconn.CommandTag) error {
+	claimQ := s.q.claim
+	if t.counting && d.CountFirst {
+		// Locked for the session: held until the count is settled, even if a statement of the
+		// handler aborts the transaction (which releases transaction-level locks at once).
+		claimQ, t.session = s.q.claimSession, true
+	}
+	t.lockKey = s.lockKey(d.Key)
+	b.Queue(claimQ.sql, claimQ.args(s.claimArgs(d, period))...).Exec(func(ct pgconn.CommandTag) error {
 		claimed = ct.RowsAffected() == 1
 		return nil
 	})
@@ -292,6 +299,8 @@ type claimTx struct {
 	period   time.Time // the claim's partition period (partitioned mode)
 	finish   time.Duration
 	counting bool // attempt counting (a dead-letter topic)
+	session  bool // may hold the key's session-level lock (claim.sql with .Session): end releases it
+	lockKey  string
 	counted  bool // this delivery was counted before its handler
 	attempts int  // the key's count with this delivery's own, as the claim found it
 	dirty    bool // the key may have an attempt record for Commit to clear
@@ -317,6 +326,15 @@ func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error 
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
 	defer cancel()
 	err := f(dctx)
+	if t.session && !t.conn.Conn().IsClosed() {
+		// The key's session lock (a delivery counted before its handler), now that the
+		// transaction is over; a connection that cannot release it is closed, so the lock
+		// cannot outlive the delivery.
+		if _, uerr := t.conn.Exec(dctx, t.s.q.unlock.sql, t.s.q.unlock.args(&queryArgs{lockKey: t.lockKey})...); uerr != nil {
+			_ = t.conn.Conn().Close(dctx)
+		}
+		t.session = false
+	}
 	if t.poisoned {
 		_ = t.conn.Conn().Close(dctx)
 	}
@@ -362,9 +380,15 @@ func (t *claimTx) Commit(ctx context.Context) error {
 		if t.dirty {
 			clear = []clearKey{{t.key, t.period}}
 		}
-		err := t.s.commitWith(ctx, t.conn, t.iso, clear)
+		unlock := ""
+		if t.session {
+			unlock = t.lockKey
+		}
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear, unlock)
 		if err != nil {
 			t.commitFailed = true
+		} else if unlock != "" {
+			t.session = false // released in COMMIT's round trip
 		}
 		return err
 	})
@@ -404,7 +428,7 @@ type clearKey struct {
 
 // commitWith sends COMMIT on conn with the clean-up of clear's attempt records (see
 // claimTx.Commit), and classifies its outcome.
-func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey) error {
+func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey, unlockKey string) error {
 	q := s.q.clearProcessed
 	inside := iso == pgx.ReadCommitted && conn.Conn().PgConn().TxStatus() == 'T'
 	b := &pgx.Batch{}
@@ -420,8 +444,17 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 			b.Queue(s.q.clearProcessedAsync.sql, s.q.clearProcessedAsync.args(keyArgs(c.key, c.period))...)
 		}
 	}
+	unlocked := false
+	if unlockKey != "" {
+		b.Queue(s.q.unlock.sql, s.q.unlock.args(&queryArgs{lockKey: unlockKey})...).Exec(func(pgconn.CommandTag) error { unlocked = true; return nil })
+	}
 	err := conn.Conn().SendBatch(ctx, b).Close()
 	switch {
+	case tag.String() == "COMMIT" && unlockKey != "" && !unlocked:
+		// Committed, but the key's session lock may still be held: do not reuse the
+		// connection.
+		_ = conn.Conn().Close(ctx)
+		return nil
 	case tag.String() == "COMMIT":
 		return nil // committed; a failed clean-up after COMMIT only leaves a stale record
 	case tag.String() != "":
@@ -438,18 +471,13 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 	return err
 }
 
-// failAcquireTimeout bounds Fail's wait for a second pool connection; past it Fail records
-// after the rollback instead.
-const failAcquireTimeout = 500 * time.Millisecond
-
 // Fail ends the transaction without processing the message and records f: a failure that
 // Counts uses up one attempt (this delivery's count, if it counted first, is that attempt) and
 // keeps f.Error as the last error; one that does not takes this delivery's count back. The
-// record is written on a second pool connection, committed while this transaction still holds
-// the claim and the key's lock, and only then is this transaction rolled back, so a copy
-// waiting for the key reads it. When no second connection is free within failAcquireTimeout
-// (a pool exhausted by deliveries that all fail at once), it rolls back first and records
-// afterwards, on its own connection. After a failed Commit it records on the pool.
+// record is written on the store's count connection (count.go), committed while this
+// transaction still holds the claim and the key's lock, and only then is this transaction
+// rolled back, so a copy waiting for the key reads it; no pool connection is waited for. After
+// a failed Commit it records the same way, the transaction being over.
 func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 	if t.ended && !t.commitFailed {
 		return t.attempts, nil // committed, or failed already
@@ -464,57 +492,24 @@ func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 	if f.Counts {
 		errText = f.Error
 	}
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
-	defer cancel()
-	estimate := max(t.attempts+delta, 0)
+	n, aerr := t.s.counter.record(t.key, t.period, delta, errText, t.finish)
 	var rerr error
-	if !t.ended {
-		actx, acancel := context.WithTimeout(dctx, min(t.finish, failAcquireTimeout))
-		conn, err := t.s.pool.Acquire(actx)
-		acancel()
-		if err == nil {
-			n, aerr := t.s.record(dctx, conn, t.key, t.period, delta, errText)
-			conn.Release()
-			rerr = t.end(ctx, t.rollback)
-			var pgErr *pgconn.PgError
-			if aerr == nil || !errors.As(aerr, &pgErr) {
-				t.attempts = n
-				if aerr != nil {
-					return estimate, fmt.Errorf("pgstore: record the failure: %w", errors.Join(aerr, rerr))
-				}
-				return n, rerr
-			}
-			// The server refused it, so nothing was applied: once more, after the rollback.
-		} else {
-			n, rerr, aerr := t.rollbackAndRecord(ctx, delta, errText)
-			if aerr != nil {
-				return estimate, fmt.Errorf("pgstore: record the failure: %w", errors.Join(aerr, rerr))
-			}
-			t.attempts = n
-			return n, rerr
-		}
+	if errors.Is(aerr, errCountConnect) {
+		// Nothing was sent: record on the transaction's own connection after its rollback
+		// (the key is released first, so a copy racing this may read the count one short).
+		rerr = t.end(ctx, func(ctx context.Context) error {
+			err := t.rollback(ctx)
+			n, aerr = t.s.record(ctx, t.conn, t.key, t.period, delta, errText)
+			return err
+		})
+	} else {
+		rerr = t.end(ctx, t.rollback)
 	}
-	n, aerr := t.s.record(dctx, t.s.pool, t.key, t.period, delta, errText)
 	if aerr != nil {
-		return estimate, fmt.Errorf("pgstore: record the failure: %w", errors.Join(aerr, rerr))
+		return max(t.attempts+delta, 0), fmt.Errorf("pgstore: record the failure: %w", errors.Join(aerr, rerr))
 	}
 	t.attempts = n
 	return n, rerr
-}
-
-// rollbackAndRecord is Fail's fallback when no second connection is free: it rolls back, then
-// records on the transaction's own connection, before releasing it.
-func (t *claimTx) rollbackAndRecord(ctx context.Context, delta int, errText string) (n int, rerr, aerr error) {
-	rerr = t.end(ctx, func(ctx context.Context) error {
-		err := t.rollback(ctx)
-		if t.conn.Conn().IsClosed() {
-			n, aerr = t.s.record(ctx, t.s.pool, t.key, t.period, delta, errText)
-		} else {
-			n, aerr = t.s.record(ctx, t.conn, t.key, t.period, delta, errText)
-		}
-		return err
-	})
-	return n, rerr, aerr
 }
 
 // querier is what record runs on: the pool, or a connection acquired from it.
@@ -522,18 +517,10 @@ type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// record applies delta to k's attempt record with errText as its last error: a positive delta
-// (a failure not counted before) by queries/count_failure.sql, unless the key is processed or
-// dead-lettered; zero or -1 by queries/settle_count.sql. It returns the count afterwards (0
-// when nothing was recorded).
+// record applies delta to k's attempt record with errText as its last error, on q
+// (recordStatement), and returns the count afterwards (0 when nothing was recorded).
 func (s *Store) record(ctx context.Context, q querier, k inbox.Key, period time.Time, delta int, errText string) (int, error) {
-	a := keyArgs(k, period)
-	a.delta = int32(delta)
-	a.lastError = nullIfEmpty(truncateUTF8(errText, maxErrorBytes))
-	stmt := s.q.settleCount
-	if delta > 0 {
-		stmt = s.q.countFailure
-	}
+	stmt, a := s.recordStatement(k, period, delta, errText)
 	var n int32
 	err := q.QueryRow(ctx, stmt.sql, stmt.args(a)...).Scan(&n)
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -543,6 +530,20 @@ func (s *Store) record(ctx context.Context, q querier, k inbox.Key, period time.
 		return 0, err
 	}
 	return int(n), nil
+}
+
+// recordStatement is the statement that applies delta to k's attempt record with errText as
+// its last error: a positive delta (a failure not counted before) by
+// queries/count_failure.sql, unless the key is processed or dead-lettered; zero or -1 by
+// queries/settle_count.sql. Both return the count afterwards.
+func (s *Store) recordStatement(k inbox.Key, period time.Time, delta int, errText string) (query, *queryArgs) {
+	a := keyArgs(k, period)
+	a.delta = int32(delta)
+	a.lastError = nullIfEmpty(truncateUTF8(errText, maxErrorBytes))
+	if delta > 0 {
+		return s.q.countFailure, a
+	}
+	return s.q.settleCount, a
 }
 
 // registerConsumer makes sure name has a row in the consumers table (compact layout), once

@@ -38,9 +38,18 @@ type counter struct {
 
 type countRequest struct {
 	keys     []inbox.Key
-	attempts []int // per key, the count afterwards; -1 when not counted (dead-lettered)
+	settle   *settleJob // instead of keys: one record to write (Fail, Drop, a take-back)
+	attempts []int      // per key (or for the settle), the count afterwards; -1 when not counted
 	err      error
 	done     chan struct{}
+}
+
+// settleJob is a change to one key's attempt record: delta and the last error (record).
+type settleJob struct {
+	key     inbox.Key
+	period  time.Time
+	delta   int
+	errText string
 }
 
 // count counts one attempt for each of keys (distinct, each claimed by the caller) and returns
@@ -59,6 +68,27 @@ func (c *counter) count(_ context.Context, keys []inbox.Key, finish time.Duratio
 	}
 	<-r.done
 	return r.attempts, r.err
+}
+
+// record applies delta and errText to k's attempt record (Store.record) on the count
+// connection, in the next round, and returns the count afterwards. Fail, Drop and the
+// take-backs use it while their claim still holds the key, so they never wait for a pool
+// connection (the pool may be exhausted by the very deliveries that fail).
+func (c *counter) record(k inbox.Key, period time.Time, delta int, errText string, finish time.Duration) (int, error) {
+	r := &countRequest{settle: &settleJob{k, period, delta, errText}, done: make(chan struct{})}
+	c.mu.Lock()
+	c.queue = append(c.queue, r)
+	start := !c.running
+	c.running = true
+	c.mu.Unlock()
+	if start {
+		go c.run(finish)
+	}
+	<-r.done
+	if r.err != nil {
+		return 0, r.err
+	}
+	return r.attempts[0], nil
 }
 
 // run writes the queued counts, one statement per round, until none is queued.
@@ -113,8 +143,12 @@ type countKey struct{ id, consumer string }
 func (c *counter) flush(q []*countRequest, finish time.Duration) (later []*countRequest) {
 	var ids, consumers []string
 	seen := map[countKey]bool{}
-	var now []*countRequest
+	var now, settles []*countRequest
 	for _, r := range q {
+		if r.settle != nil {
+			settles = append(settles, r)
+			continue
+		}
 		clash := false
 		for _, k := range r.keys {
 			clash = clash || seen[countKey{k.MessageID, k.ConsumerName}]
@@ -131,7 +165,11 @@ func (c *counter) flush(q []*countRequest, finish time.Duration) (later []*count
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), finish)
 	defer cancel()
-	counts, err := c.exec(ctx, ids, consumers)
+	counts, err := c.exec(ctx, ids, consumers, settles)
+	for _, r := range settles {
+		r.err = err
+		close(r.done)
+	}
 	for _, r := range now {
 		r.err = err
 		if err == nil {
@@ -149,9 +187,10 @@ func (c *counter) flush(q []*countRequest, finish time.Duration) (later []*count
 	return later
 }
 
-// exec runs queries/count.sql on the count connection, opening it when needed; a connection
-// that failed is closed, so the next round opens another.
-func (c *counter) exec(ctx context.Context, ids, consumers []string) (map[countKey]int, error) {
+// exec runs queries/count.sql for ids and the statements of settles, in one round trip on the
+// count connection, opening it when needed; a connection that failed is closed, so the next
+// round opens another. Each settle's count goes to its attempts.
+func (c *counter) exec(ctx context.Context, ids, consumers []string, settles []*countRequest) (map[countKey]int, error) {
 	c.mu.Lock()
 	conn := c.conn
 	if c.idle != nil {
@@ -163,30 +202,42 @@ func (c *counter) exec(ctx context.Context, ids, consumers []string) (map[countK
 		cfg.RuntimeParams["synchronous_commit"] = "off"
 		var err error
 		if conn, err = pgx.ConnectConfig(ctx, cfg); err != nil {
-			return nil, fmt.Errorf("open the count connection: %w", err)
+			return nil, fmt.Errorf("%w: %w", errCountConnect, err)
 		}
 		c.mu.Lock()
 		c.conn = conn
 		c.mu.Unlock()
 	}
-	q := c.s.q.count
-	rows, err := conn.Query(ctx, q.sql, q.args(&queryArgs{messageIDs: ids, consumerNames: consumers})...)
 	counts := make(map[countKey]int, len(ids))
-	if err == nil {
-		for rows.Next() {
-			var k countKey
-			var n int32
-			if err = rows.Scan(&k.id, &k.consumer, &n); err != nil {
-				break
-			}
-			counts[k] = int(n)
-		}
-		rows.Close()
-		if err == nil {
-			err = rows.Err()
-		}
+	b := &pgx.Batch{}
+	if len(ids) > 0 {
+		q := c.s.q.count
+		b.Queue(q.sql, q.args(&queryArgs{messageIDs: ids, consumerNames: consumers})...).Query(func(rows pgx.Rows) error {
+			return scanRows(rows, func(rows pgx.Rows) error {
+				var k countKey
+				var n int32
+				if err := rows.Scan(&k.id, &k.consumer, &n); err != nil {
+					return err
+				}
+				counts[k] = int(n)
+				return nil
+			})
+		})
 	}
-	if err != nil {
+	for _, r := range settles {
+		j := r.settle
+		stmt, a := c.s.recordStatement(j.key, j.period, j.delta, j.errText)
+		b.Queue(stmt.sql, stmt.args(a)...).QueryRow(func(row pgx.Row) error {
+			var n int32
+			err := row.Scan(&n)
+			if errors.Is(err, pgx.ErrNoRows) {
+				n, err = 0, nil
+			}
+			r.attempts = []int{int(n)}
+			return err
+		})
+	}
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
 		c.mu.Lock()
 		if c.conn == conn {
 			c.conn = nil
@@ -199,6 +250,20 @@ func (c *counter) exec(ctx context.Context, ids, consumers []string) (map[countK
 	}
 	return counts, nil
 }
+
+// scanRows calls f with each row of rows.
+func scanRows(rows pgx.Rows, f func(pgx.Rows) error) error {
+	defer rows.Close()
+	for rows.Next() {
+		if err := f(rows); err != nil {
+			return err
+		}
+	}
+	return rows.Err()
+}
+
+// errCountConnect: the count connection could not be opened; nothing was sent.
+var errCountConnect = errors.New("pgstore: open the count connection")
 
 // errCountUnknown: a count statement failed; it may have committed or not.
 var errCountUnknown = errors.New("pgstore: the count statement failed")

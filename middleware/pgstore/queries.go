@@ -31,6 +31,7 @@ type queryNames struct {
 	Table, Attempts, Consumers string
 	Compact, Partitioned       bool
 	Old                        string // the table a layout conversion copies from
+	Session                    bool   // claim.sql: the key's lock for the session
 }
 
 // query is one rendered statement: its SQL with positional parameters and the names of its
@@ -116,7 +117,7 @@ type queries struct {
 	claim, record, storedHash, count, clearProcessed query
 	countFailure, settleCount, markDeadLettered      query
 	replay, dropClaim, registerConsumer              query
-	clearProcessedAsync                              query
+	clearProcessedAsync, claimSession, unlock        query
 }
 
 func newQueries(n queryNames) queries {
@@ -127,6 +128,8 @@ func newQueries(n queryNames) queries {
 		count:               renderQuery("count", n),
 		clearProcessed:      renderQuery("clear_processed", n),
 		clearProcessedAsync: renderQuery("clear_processed_async", n),
+		claimSession:        renderQuery("claim", withSession(n)),
+		unlock:              renderQuery("unlock", n),
 		countFailure:        renderQuery("count_failure", n),
 		settleCount:         renderQuery("settle_count", n),
 		markDeadLettered:    renderQuery("mark_dead_lettered", n),
@@ -134,4 +137,9 @@ func newQueries(n queryNames) queries {
 		dropClaim:           renderQuery("drop_claim", n),
 		registerConsumer:    renderQuery("register_consumer", n),
 	}
+}
+
+func withSession(n queryNames) queryNames {
+	n.Session = true
+	return n
 }
