@@ -248,8 +248,7 @@ func (t *batchTx) Healthy() error {
 // while the batch still holds the key's lock, so the key's next delivery reads it), then, with
 // a savepoint open, ROLLBACK TO SAVEPOINT, the claim's DELETE and RELEASE SAVEPOINT; without
 // one, the claim's DELETE (nothing when the transaction is aborted: the caller rolls the batch
-// back). When a handler's statement ended the transaction, the claim is deleted outside it: a
-// COMMIT may have committed it.
+// back).
 func (t *batchTx) Drop(ctx context.Context, k int, f contract.Failure) (int, error) {
 	if k < 0 || k >= len(t.members) || !t.members[k].in {
 		return 0, fmt.Errorf("pgstore: drop: no member %d in the batch", k)
@@ -264,12 +263,6 @@ func (t *batchTx) Drop(ctx context.Context, k int, f contract.Failure) (int, err
 	defer cancel()
 	drop := t.s.q.dropClaim
 	switch {
-	case t.h.endedOn(t.conn) != nil && !t.conn.Conn().IsClosed() && t.conn.Conn().PgConn().TxStatus() == 'I':
-		// A statement of a handler ended the transaction: a COMMIT in it committed the claims
-		// of members whose handlers had not run. Delete this one's, outside any transaction.
-		if _, err := t.conn.Exec(dctx, drop.sql, drop.args(keyArgs(m.key, t.periods[k]))...); err != nil {
-			return n, errors.Join(rerr, fmt.Errorf("pgstore: drop a member: %w", err))
-		}
 	case t.h.endedOn(t.conn) != nil:
 		return n, rerr
 	case t.saved:

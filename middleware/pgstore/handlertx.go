@@ -31,18 +31,26 @@ import (
 type handlerTx struct {
 	pgx.Tx
 	ended atomic.Bool
+	root  *handlerTx // the inbox transaction's guard, for a nested one; nil on the root
+}
+
+func (h *handlerTx) flag() *atomic.Bool {
+	if h.root != nil {
+		return &h.root.ended
+	}
+	return &h.ended
 }
 
 // refuse marks the transaction as ended by the handler and returns the error it gets.
 func (h *handlerTx) refuse(what string) error {
-	h.ended.Store(true)
+	h.flag().Store(true)
 	return fmt.Errorf("%w (%s)", ErrTxOwnedByInbox, what)
 }
 
 // check refuses sql when it would end the transaction, or when the transaction is no longer
 // open.
 func (h *handlerTx) check(sql string) error {
-	if h.ended.Load() {
+	if h.flag().Load() {
 		return fmt.Errorf("%w (the transaction was ended)", ErrTxOwnedByInbox)
 	}
 	if c := h.Tx.Conn(); c.IsClosed() || c.PgConn().TxStatus() == 'I' {
@@ -54,12 +62,29 @@ func (h *handlerTx) check(sql string) error {
 	return nil
 }
 
-func (h *handlerTx) Commit(context.Context) error   { return h.refuse("Commit") }
-func (h *handlerTx) Rollback(context.Context) error { return h.refuse("Rollback") }
+func (h *handlerTx) Commit(ctx context.Context) error {
+	if h.root != nil {
+		return h.Tx.Commit(ctx)
+	}
+	return h.refuse("Commit")
+}
+func (h *handlerTx) Rollback(ctx context.Context) error {
+	if h.root != nil {
+		return h.Tx.Rollback(ctx)
+	}
+	return h.refuse("Rollback")
+}
 
 func (h *handlerTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	if err := h.check(sql); err != nil {
 		return pgconn.CommandTag{}, err
+	}
+	if len(args) == 0 {
+		// pgx sends an Exec without arguments in the simple protocol, which runs every
+		// statement of a string: one statement per call, in the extended protocol.
+		if strings.Contains(strings.TrimRight(sql, "; \t\r\n"), ";") {
+			return h.Tx.Conn().PgConn().ExecParams(ctx, sql, nil, nil, nil, nil).Close()
+		}
 	}
 	return h.Tx.Exec(ctx, sql, args...)
 }
@@ -105,7 +130,15 @@ func (h *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err := h.check(""); err != nil {
 		return nil, err
 	}
-	return h.Tx.Begin(ctx)
+	tx, err := h.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	root := h
+	if h.root != nil {
+		root = h.root
+	}
+	return &handlerTx{Tx: tx, root: root}, nil
 }
 
 type errRow struct{ err error }
