@@ -1,0 +1,334 @@
+package pgstore_test
+
+// Adversarial review of the storage contract v3 (the handler guard, the group count, the
+// batch). Each test names the fault it shows; the ones that fail on the reviewed code say so.
+
+import (
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+)
+
+// review3Effects counts the rows of effects3 (no key: every write is a row) with id.
+func review3Effects(t *testing.T, sch *testenv.Schema, id string) int {
+	t.Helper()
+	var n int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM effects3 WHERE id = $1", id).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// review3Deliver runs one delivery of d the way the middleware does: claim; if Run, the
+// handler; Commit, and Fail after a failed Commit or a handler error. It reports whether the
+// delivery was acked (Commit nil, or a decision other than Run).
+func review3Deliver(t *testing.T, s *pgstore.Store, d contract.Delivery, handler func(ctx context.Context, tx pgx.Tx) error) bool {
+	t.Helper()
+	ctx := context.Background()
+	tx, c, err := s.Claim(ctx, d)
+	if err != nil {
+		t.Fatalf("claim: %v", err)
+	}
+	if c.Decision != contract.Run {
+		return true
+	}
+	if herr := handler(ctx, handlerTx(t, tx)); herr != nil {
+		_, _ = tx.Fail(ctx, contract.Failure{Counts: true, Error: herr.Error()})
+		return false
+	}
+	if err := tx.Commit(ctx); err != nil {
+		_, _ = tx.Fail(ctx, contract.Failure{Counts: true, Error: err.Error()})
+		return false
+	}
+	return true
+}
+
+// TestReview3RollbackThenWriteInOneStringIsAppliedTwice: a handler sends, through the guarded
+// transaction, one string "SELECT 1; ROLLBACK; INSERT ...". The guard only reads the leading
+// keyword, and pgx sends an Exec without arguments in the simple protocol, which runs every
+// statement of the string: the ROLLBACK ends the inbox transaction (the claim is gone) and the
+// INSERT commits on its own. The inbox's Commit refuses (ErrTxEnded), the message is nacked,
+// and its redelivery runs the handler again: the business write is applied twice.
+//
+// Fails on the reviewed code (2 effects, want at most 1).
+func TestReview3RollbackThenWriteInOneStringIsAppliedTwice(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	s := sch.Store(t)
+	sch.Exec(t, "CREATE TABLE effects3 (id text)")
+	d := plain("m-rollback-string", "c")
+	handler := func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, "SELECT 1; ROLLBACK; INSERT INTO effects3 VALUES ('m-rollback-string')")
+		return err
+	}
+	for attempt := 0; attempt < 2; attempt++ {
+		if review3Deliver(t, s, d, handler) {
+			break
+		}
+	}
+	if e := review3Effects(t, sch, d.Key.MessageID); e > 1 {
+		t.Errorf("the business write was applied %d times: a statement of the handler's string ran outside the inbox transaction and the redelivery ran the handler again", e)
+	}
+}
+
+// TestReview3NestedTransactionIsUnguarded: Begin on the handler's transaction returns pgx's
+// own savepoint transaction over the inner, unguarded pgx.Tx. A ROLLBACK statement through it
+// is not refused, it ends the inbox transaction, and a write after it commits on its own; the
+// redelivery runs the handler again.
+//
+// Fails on the reviewed code (the ROLLBACK is sent; 2 effects).
+func TestReview3NestedTransactionIsUnguarded(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	s := sch.Store(t)
+	sch.Exec(t, "CREATE TABLE effects3 (id text)")
+	d := plain("m-nested", "c")
+	refused := true
+	handler := func(ctx context.Context, tx pgx.Tx) error {
+		nested, err := tx.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		if _, err := nested.Exec(ctx, "ROLLBACK"); err == nil {
+			refused = false
+		}
+		_, err = nested.Exec(ctx, "INSERT INTO effects3 VALUES ('m-nested')")
+		return err
+	}
+	for attempt := 0; attempt < 2; attempt++ {
+		if review3Deliver(t, s, d, handler) {
+			break
+		}
+	}
+	if !refused {
+		t.Error("a ROLLBACK statement through the nested transaction (tx.Begin) was sent: it ended the inbox transaction")
+	}
+	if e := review3Effects(t, sch, d.Key.MessageID); e > 1 {
+		t.Errorf("the business write was applied %d times", e)
+	}
+}
+
+// TestReview3LegitimateHandlerAPIs: what a well-behaved handler does through the guarded
+// transaction works and commits with the claim: a nested transaction committed (RELEASE) and
+// one rolled back (ROLLBACK TO), an explicit savepoint, CopyFrom, SendBatch, Prepare and its
+// named statement, a large object, and a multi-statement string of writes.
+func TestReview3LegitimateHandlerAPIs(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	s := sch.Store(t)
+	sch.Exec(t, "CREATE TABLE effects3 (id text)")
+	ctx := context.Background()
+	for _, path := range claimPaths {
+		t.Run(path.name, func(t *testing.T) {
+			id := "legit-" + path.name
+			d := path.delivery(plain(id, "c"))
+			tx, _ := mustClaim(t, s, d, contract.Run)
+			ptx := handlerTx(t, tx)
+			must := func(what string, err error) {
+				t.Helper()
+				if err != nil {
+					release(tx)
+					t.Fatalf("%s: %v", what, err)
+				}
+			}
+			n1, err := ptx.Begin(ctx)
+			must("Begin", err)
+			_, err = n1.Exec(ctx, "INSERT INTO effects3 VALUES ($1)", id)
+			must("nested insert", err)
+			must("nested Commit", n1.Commit(ctx))
+			n2, err := ptx.Begin(ctx)
+			must("Begin 2", err)
+			_, err = n2.Exec(ctx, "INSERT INTO effects3 VALUES ('rolled-back')")
+			must("nested insert 2", err)
+			must("nested Rollback", n2.Rollback(ctx))
+			_, err = ptx.Exec(ctx, "SAVEPOINT mine")
+			must("SAVEPOINT", err)
+			_, err = ptx.Exec(ctx, "INSERT INTO effects3 VALUES ('rolled-back')")
+			must("insert after savepoint", err)
+			_, err = ptx.Exec(ctx, "ROLLBACK TO SAVEPOINT mine")
+			must("ROLLBACK TO SAVEPOINT", err)
+			_, err = ptx.CopyFrom(ctx, pgx.Identifier{"effects3"}, []string{"id"}, pgx.CopyFromRows([][]any{{id}}))
+			must("CopyFrom", err)
+			b := &pgx.Batch{}
+			b.Queue("INSERT INTO effects3 VALUES ($1)", id)
+			b.Queue("INSERT INTO effects3 VALUES ($1)", id)
+			must("SendBatch", ptx.SendBatch(ctx, b).Close())
+			_, err = ptx.Prepare(ctx, "ins3", "INSERT INTO effects3 VALUES ($1)")
+			must("Prepare", err)
+			_, err = ptx.Exec(ctx, "ins3", id)
+			must("prepared Exec", err)
+			lo := ptx.LargeObjects()
+			oid, err := lo.Create(ctx, 0)
+			must("LargeObjects.Create", err)
+			obj, err := lo.Open(ctx, oid, pgx.LargeObjectModeWrite)
+			must("LargeObjects.Open", err)
+			_, err = obj.Write([]byte("x"))
+			must("LargeObject.Write", err)
+			must("LargeObject.Close", obj.Close())
+			_, err = ptx.Exec(ctx, "INSERT INTO effects3 VALUES ('"+id+"'); INSERT INTO effects3 VALUES ('"+id+"')")
+			must("multi-statement writes", err)
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatalf("Commit: %v", err)
+			}
+			if e := review3Effects(t, sch, id); e != 7 {
+				t.Errorf("%d effects, want 7", e)
+			}
+			if e := review3Effects(t, sch, "rolled-back"); e != 0 {
+				t.Errorf("%d rolled-back effects, want 0", e)
+			}
+			if rows := claimRows(t, sch.Pool, s, id); rows != 1 {
+				t.Errorf("%d claims, want 1", rows)
+			}
+			if _, ok := attemptsRow(t, sch.Pool, s, d.Key); ok {
+				t.Error("the commit left the attempt record")
+			}
+		})
+	}
+}
+
+// TestReview3BatchNeighbourCommitThenCrashLosesMember: in a batch of a and b, a's handler
+// sends "SELECT 1; COMMIT" (the guard reads only the leading keyword). The COMMIT commits b's
+// claim too, although b's handler has not run. The middleware repairs it in process
+// (txEnded drops b's claim outside the transaction); a crash of the consumer between the
+// handler's statement and that repair leaves b's claim committed without its work, and every
+// redelivery of b is then a duplicate: b is acked, never processed. Here the crash is the
+// batch abandoned (its connection closed) right after a's handler.
+//
+// Fails on the reviewed code (b's redelivery is a Duplicate).
+func TestReview3BatchNeighbourCommitThenCrashLosesMember(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	s := sch.Store(t)
+	sch.Exec(t, "CREATE TABLE effects3 (id text)")
+	ctx := context.Background()
+	ds := []contract.Delivery{plain("a-crash", "c"), plain("b-crash", "c")}
+	bt, cs, err := s.ClaimBatch(ctx, ds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, c := range cs {
+		if c.Decision != contract.Run {
+			t.Fatalf("member %d: %s", k, decisionName(c.Decision))
+		}
+	}
+	ptx := handlerTx(t, bt)
+	if _, err := ptx.Exec(ctx, "INSERT INTO effects3 VALUES ('a-crash')"); err != nil {
+		t.Fatal(err)
+	}
+	_, herr := ptx.Exec(ctx, "SELECT 1; COMMIT")
+	// The crash: the consumer dies here; its connection goes away with it.
+	_ = ptx.Conn().Close(ctx)
+	_ = bt.Rollback(ctx)
+	if herr != nil {
+		t.Logf("the handler's string was refused: %v", herr)
+	}
+	tx, c, err := s.Claim(ctx, ds[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tx != nil {
+		release(tx)
+	}
+	if c.Decision != contract.Run {
+		t.Errorf("b's redelivery after the crash: %s, want Run (b's handler never ran; it would be acked unprocessed)", decisionName(c.Decision))
+	}
+}
+
+// review3ProxiedStore is a store on sch whose pool reaches PostgreSQL through a fault-injection
+// proxy, with application_name set to app.
+func review3ProxiedStore(t *testing.T, sch *testenv.Schema, app string) (*pgstore.Store, *pgxpool.Pool, *testenv.Proxy) {
+	t.Helper()
+	p := testenv.NewProxy(t, testenv.DatabaseHostPort(t))
+	u, err := url.Parse(testenv.WithHost(t, sch.URL, p.Addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("application_name", app)
+	u.RawQuery = q.Encode()
+	pool := testenv.NewPool(t, u.String(), 4)
+	s, err := pgstore.New(pool, pgstore.Config{Schema: sch.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, pool, p
+}
+
+// TestReview3LostCountAnswerKeepsTheCount: the count connection's answer is lost after the
+// server committed the count (a network partition after the request). The claim fails
+// (errCountUnknown) and the handler never runs, yet the count stays: a failed claim counted
+// an attempt. MaxAttempts such faults dead-letter a healthy message that never ran.
+//
+// Fails on the reviewed code (1 attempt recorded, want 0).
+func TestReview3LostCountAnswerKeepsTheCount(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	_ = sch.Store(t) // migrated
+	s, pool, p := review3ProxiedStore(t, sch, "review3-lost-count")
+	ctx := context.Background()
+	// Warm up: opens the count connection through the proxy.
+	mustCommit(t, s, countedFirst(plain("warm", "c"), true))
+	pool.Reset() // the pool's connections are closed; only the count connection stays open
+	p.Hold()     // its answers are lost from now on; connections opened later are not held
+	d := countedFirst(plain("victim", "c"), true)
+	d.FinishTimeout = time.Second
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	tx, c, err := s.Claim(cctx, d)
+	if tx != nil {
+		release(tx)
+		t.Fatalf("the claim was decided %s although the count's answer was lost", decisionName(c.Decision))
+	}
+	t.Logf("claim error (expected): %v", err)
+	if err == nil {
+		t.Fatal("the claim succeeded without a count answer")
+	}
+	if n, ok := attemptsRow(t, sch.Pool, s, d.Key); ok && n > 0 {
+		t.Errorf("%d attempts recorded for a delivery whose claim failed before its handler ran (want 0: failed claims never count)", n)
+	}
+}
+
+// TestReview3CountConnectionOutlivesThePool: every store opens its count connection outside
+// its pool, and nothing closes it with the store or the pool; it stays until counterIdle
+// (2 s). A test suite with one store per test, or an application that recreates stores,
+// holds one connection per store beyond the pools' MaxConns for that long.
+//
+// Fails on the reviewed code (the count connections are still open after every pool closed).
+func TestReview3CountConnectionOutlivesThePool(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	_ = sch.Store(t)
+	const stores = 8
+	app := "review3-leak-" + strings.ReplaceAll(sch.Name, "_", "-")
+	var pools []*pgxpool.Pool
+	for k := 0; k < stores; k++ {
+		u, err := url.Parse(sch.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := u.Query()
+		q.Set("application_name", app)
+		u.RawQuery = q.Encode()
+		pool := testenv.NewPool(t, u.String(), 2)
+		s, err := pgstore.New(pool, pgstore.Config{Schema: sch.Name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustCommit(t, s, countedFirst(plain("leak-"+string(rune('a'+k)), "c"), true))
+		pools = append(pools, pool)
+	}
+	for _, pool := range pools {
+		pool.Close()
+	}
+	time.Sleep(200 * time.Millisecond)
+	var open int
+	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app).Scan(&open); err != nil {
+		t.Fatal(err)
+	}
+	if open != 0 {
+		t.Errorf("%d connections of %d closed stores are still open (the count connections, outside the pools)", open, stores)
+	}
+}
