@@ -332,3 +332,38 @@ func TestReview3CountConnectionOutlivesThePool(t *testing.T) {
 		t.Errorf("%d connections of %d closed stores are still open (the count connections, outside the pools)", open, stores)
 	}
 }
+
+// TestReview3LostCountAnswersExhaustAHealthyMessage: the fault of
+// TestReview3LostCountAnswerKeepsTheCount, MaxAttempts (3) times: the message's handler never
+// ran, yet its next delivery is decided Exhausted (dead-lettered). A flaky network between
+// the consumer and PostgreSQL dead-letters healthy messages.
+//
+// Fails on the reviewed code (Exhausted, want Run).
+func TestReview3LostCountAnswersExhaustAHealthyMessage(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	_ = sch.Store(t)
+	s, pool, p := review3ProxiedStore(t, sch, "review3-lost-counts")
+	ctx := context.Background()
+	d := countedFirst(plain("healthy", "c"), true)
+	d.FinishTimeout = time.Second
+	for round := 0; round < d.MaxAttempts; round++ {
+		mustCommit(t, s, countedFirst(plain("warm-"+string(rune('a'+round)), "c"), true))
+		pool.Reset()
+		p.Hold()
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		tx, c, err := s.Claim(cctx, d)
+		cancel()
+		if tx != nil || err == nil {
+			release(tx)
+			t.Fatalf("round %d: the claim was decided %s without a count answer", round, decisionName(c.Decision))
+		}
+	}
+	tx, c, err := s.Claim(ctx, d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	release(tx)
+	if c.Decision != contract.Run {
+		t.Errorf("a message whose handler never ran was decided %s after %d lost count answers (attempts %d), want Run", decisionName(c.Decision), d.MaxAttempts, c.Attempts)
+	}
+}
