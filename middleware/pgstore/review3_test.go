@@ -367,3 +367,87 @@ func TestReview3LostCountAnswersExhaustAHealthyMessage(t *testing.T) {
 		t.Errorf("a message whose handler never ran was decided %s after %d lost count answers (attempts %d), want Run", decisionName(c.Decision), d.MaxAttempts, c.Attempts)
 	}
 }
+
+// TestReview3RollbackBeginInOneStringAcksWithoutTheClaim: a handler sends, through the guarded
+// transaction, "SELECT 1; ROLLBACK; BEGIN": the inbox transaction (with the claim) is gone and
+// a new one is open, so the connection's status is "in a transaction" again and the guard,
+// endedOn and Commit see nothing wrong. The handler's later writes commit with the inbox's
+// COMMIT, the delivery is acked, and no claim is in the table: the next copy of the message
+// runs the handler again.
+//
+// Fails on the reviewed code (Commit nil, no claim, 2 effects).
+func TestReview3RollbackBeginInOneStringAcksWithoutTheClaim(t *testing.T) {
+	for _, path := range claimPaths {
+		t.Run(path.name, func(t *testing.T) {
+			sch := testenv.NewSchema(t, 4)
+			s := sch.Store(t)
+			sch.Exec(t, "CREATE TABLE effects3 (id text)")
+			d := path.delivery(plain("m-rb", "c"))
+			handler := func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, "SELECT 1; ROLLBACK; BEGIN"); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, "INSERT INTO effects3 VALUES ($1)", "m-rb")
+				return err
+			}
+			acked := review3Deliver(t, s, d, handler)
+			rows := claimRows(t, sch.Pool, s, d.Key.MessageID)
+			if acked && rows == 0 {
+				t.Errorf("the delivery was acked (Commit nil) but its claim is not in the table")
+			}
+			// A copy of the message (a broker redelivery).
+			review3Deliver(t, s, d, handler)
+			if e := review3Effects(t, sch, "m-rb"); e > 1 {
+				t.Errorf("the business write was applied %d times", e)
+			}
+		})
+	}
+}
+
+// TestReview3BatchRollbackBeginInOneStringAcksWithoutClaims: the same in an optimistic batch of a and b:
+// a's handler sends "SELECT 1; ROLLBACK; BEGIN" (everything before is gone, the claims of a
+// and b with it), b's handler writes, Healthy is nil and the batch's Commit succeeds: both
+// members would be acked, and neither claim is in the table.
+//
+// Fails on the reviewed code.
+func TestReview3BatchRollbackBeginInOneStringAcksWithoutClaims(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	s := sch.Store(t)
+	sch.Exec(t, "CREATE TABLE effects3 (id text)")
+	ctx := context.Background()
+	ds := []contract.Delivery{countedFirst(plain("a-rb", "c"), true), countedFirst(plain("b-rb", "c"), true)}
+	bt, cs, err := s.ClaimBatch(ctx, ds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, c := range cs {
+		if c.Decision != contract.Run {
+			t.Fatalf("member %d: %s", k, decisionName(c.Decision))
+		}
+	}
+	defer func() { _ = bt.Rollback(ctx) }()
+	// The optimistic mode (BatchOptimistic, the default): no savepoint between members. (With
+	// savepoints, b's SAVEPOINT after a's string fails and the batch rolls back.)
+	for k, d := range ds {
+		ptx := handlerTx(t, bt)
+		if k == 0 {
+			if _, err := ptx.Exec(ctx, "SELECT 1; ROLLBACK; BEGIN"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := ptx.Exec(ctx, "INSERT INTO effects3 VALUES ($1)", d.Key.MessageID); err != nil {
+			t.Fatalf("member %d: %v", k, err)
+		}
+		if err := bt.Healthy(); err != nil {
+			t.Logf("member %d: Healthy: %v", k, err)
+			_ = bt.Rollback(ctx)
+			return
+		}
+	}
+	err = bt.Commit(ctx)
+	for _, d := range ds {
+		if rows := claimRows(t, sch.Pool, s, d.Key.MessageID); err == nil && rows == 0 {
+			t.Errorf("%s: the batch's Commit succeeded (the member would be acked) but its claim is not in the table", d.Key.MessageID)
+		}
+	}
+}
