@@ -454,3 +454,54 @@ func TestReview3BatchRollbackBeginInOneStringAcksWithoutClaims(t *testing.T) {
 		}
 	}
 }
+
+// TestReview3BatchDropDeletesACopysCommittedClaim: in a batch of a and b, a's handler sends
+// "SELECT 1; ROLLBACK": the batch's claims are gone and the keys' locks free. A copy of b
+// (waiting in process for b's key) claims it, runs and commits, with its business write. The
+// batch then takes b out as the middleware does (txEnded: Drop(b) for a member whose handler
+// has not run), and Drop, seeing the connection idle, deletes b's claim outside any
+// transaction: the copy's committed claim. b's business write stays, its claim is gone, and
+// b's next delivery runs the handler again.
+//
+// Fails on the reviewed code (0 claims for b after the Drop, 1 effect).
+func TestReview3BatchDropDeletesACopysCommittedClaim(t *testing.T) {
+	sch := testenv.NewSchema(t, 4)
+	s := sch.Store(t)
+	sch.Exec(t, "CREATE TABLE effects3 (id text)")
+	ctx := context.Background()
+	ds := []contract.Delivery{plain("a-drop", "c"), plain("b-drop", "c")}
+	bt, cs, err := s.ClaimBatch(ctx, ds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = bt.Rollback(ctx) }()
+	for k, c := range cs {
+		if c.Decision != contract.Run {
+			t.Fatalf("member %d: %s", k, decisionName(c.Decision))
+		}
+	}
+	if _, err := handlerTx(t, bt).Exec(ctx, "SELECT 1; ROLLBACK"); err != nil {
+		t.Logf("the string was refused: %v", err)
+		return // what the guard should do
+	}
+	// The copy of b.
+	tx, _ := mustClaim(t, s, ds[1], contract.Run)
+	if _, err := handlerTx(t, tx).Exec(ctx, "INSERT INTO effects3 VALUES ('b-drop')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The coordinator: a's handler returned nil; Healthy says the transaction ended; b, whose
+	// handler has not run, is taken out.
+	if err := bt.Healthy(); err == nil {
+		t.Fatal("Healthy after the handler's ROLLBACK: nil")
+	}
+	if _, err := bt.Drop(ctx, 1, contract.Failure{}); err != nil {
+		t.Fatalf("Drop(b): %v", err)
+	}
+	_ = bt.Rollback(ctx)
+	if rows, e := claimRows(t, sch.Pool, s, "b-drop"), review3Effects(t, sch, "b-drop"); rows != 1 {
+		t.Errorf("b: %d claims, %d effects after the batch's Drop: the copy's committed claim was deleted, and b's next delivery runs its handler again", rows, e)
+	}
+}
