@@ -113,6 +113,7 @@ func (s *Schema) Store(t testing.TB) *pgstore.Store {
 	if _, err := store.Migrate(ctx); err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
+	t.Cleanup(func() { _ = store.Close() })
 	return store
 }
 

@@ -169,7 +169,12 @@ func (t *batchTx) countFirst(ctx context.Context, ds []contract.Delivery, claims
 	}
 	counts, err := t.s.counter.count(ctx, keys, t.finish)
 	if err != nil {
-		return err
+		// Still holding the keys: counts that committed unseen are taken back first.
+		periods, before := make([]time.Time, len(idx)), make([]int, len(idx))
+		for j, k := range idx {
+			periods[j], before[j] = t.periods[k], claims[k].Attempts
+		}
+		return t.s.counter.undoUnknown(ctx, err, keys, periods, before, t.finish)
 	}
 	b := &pgx.Batch{}
 	for j, k := range idx {

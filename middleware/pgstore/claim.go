@@ -140,6 +140,8 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 func (t *claimTx) countFirst(ctx context.Context, d contract.Delivery, c contract.Claim) (contract.Claim, error) {
 	n, err := t.s.counter.count(ctx, []inbox.Key{d.Key}, t.finish)
 	if err != nil {
+		// Still holding the key: a count that committed unseen is taken back first.
+		err = t.s.counter.undoUnknown(ctx, err, []inbox.Key{d.Key}, []time.Time{t.period}, []int{c.Attempts}, t.finish)
 		_ = t.end(ctx, t.rollback)
 		return c, fmt.Errorf("pgstore: count the attempt: %w", err)
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -29,6 +30,7 @@ const counterIdle = 2 * time.Second
 
 type counter struct {
 	s       *Store
+	closed  bool // Store.Close: no more counts
 	mu      sync.Mutex
 	queue   []*countRequest
 	running bool
@@ -59,6 +61,10 @@ type settleJob struct {
 func (c *counter) count(_ context.Context, keys []inbox.Key, finish time.Duration) ([]int, error) {
 	r := &countRequest{keys: keys, done: make(chan struct{})}
 	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, errStoreClosed
+	}
 	c.queue = append(c.queue, r)
 	start := !c.running
 	c.running = true
@@ -77,6 +83,10 @@ func (c *counter) count(_ context.Context, keys []inbox.Key, finish time.Duratio
 func (c *counter) record(k inbox.Key, period time.Time, delta int, errText string, finish time.Duration) (int, error) {
 	r := &countRequest{settle: &settleJob{k, period, delta, errText}, done: make(chan struct{})}
 	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return 0, errStoreClosed
+	}
 	c.queue = append(c.queue, r)
 	start := !c.running
 	c.running = true
@@ -198,10 +208,8 @@ func (c *counter) exec(ctx context.Context, ids, consumers []string, settles []*
 	}
 	c.mu.Unlock()
 	if conn == nil {
-		cfg := c.s.pool.Config().ConnConfig.Copy()
-		cfg.RuntimeParams["synchronous_commit"] = "off"
 		var err error
-		if conn, err = pgx.ConnectConfig(ctx, cfg); err != nil {
+		if conn, err = c.connect(ctx); err != nil {
 			return nil, fmt.Errorf("%w: %w", errCountConnect, err)
 		}
 		c.mu.Lock()
@@ -238,6 +246,7 @@ func (c *counter) exec(ctx context.Context, ids, consumers []string, settles []*
 		})
 	}
 	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		pid := conn.PgConn().PID()
 		c.mu.Lock()
 		if c.conn == conn {
 			c.conn = nil
@@ -246,9 +255,95 @@ func (c *counter) exec(ctx context.Context, ids, consumers []string, settles []*
 		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		_ = conn.Close(cctx)
 		cancel()
-		return nil, errors.Join(errCountUnknown, err)
+		return nil, &countUnknownError{pid: pid, err: err}
 	}
 	return counts, nil
+}
+
+// countUnknownError: a count statement failed or its answer was lost; it may have committed.
+// pid is the server process of the count connection it was sent on.
+type countUnknownError struct {
+	pid uint32
+	err error
+}
+
+func (e *countUnknownError) Error() string {
+	return "pgstore: the count statement failed: " + e.err.Error()
+}
+func (e *countUnknownError) Unwrap() error { return e.err }
+
+// undoUnknown is the answer to a count of unknown outcome (err), made for keys the caller
+// still holds, whose records held before[k] attempts at the claim: it ends the count
+// connection's server process (so the statement can no longer commit), reads the records
+// again, and takes back every count that did commit. No copy can count a held key meanwhile,
+// so a record above before[k] is this count. It returns err, or the error of the undo.
+func (c *counter) undoUnknown(ctx context.Context, err error, keys []inbox.Key, periods []time.Time, before []int, finish time.Duration) error {
+	var unknown *countUnknownError
+	if !errors.As(err, &unknown) {
+		return err // nothing was sent (errCountConnect, a closed store)
+	}
+	s := c.s
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finish)
+	defer cancel()
+	if _, terr := s.pool.Exec(ctx, "SELECT pg_terminate_backend($1, $2)", int32(unknown.pid), finish.Milliseconds()); terr != nil {
+		return errors.Join(err, fmt.Errorf("pgstore: end the count connection: %w", terr))
+	}
+	for k, key := range keys {
+		var rec contract.Record
+		q := s.q.record
+		if rerr := scanRecord(s.pool.QueryRow(ctx, q.sql, q.args(keyArgs(key, periods[k]))...), &rec); rerr != nil {
+			return errors.Join(err, fmt.Errorf("pgstore: read the record after a lost count: %w", rerr))
+		}
+		if rec.Attempts > before[k] {
+			if _, rerr := c.record(key, periods[k], -1, "", finish); rerr != nil {
+				return errors.Join(err, fmt.Errorf("pgstore: take back a lost count: %w", rerr))
+			}
+		}
+	}
+	return err
+}
+
+// connect opens a count connection as the pool opens its own: its configuration and its
+// BeforeConnect and AfterConnect hooks (credentials a hook supplies, session settings), with
+// synchronous_commit off.
+func (c *counter) connect(ctx context.Context) (*pgx.Conn, error) {
+	pcfg := c.s.pool.Config()
+	cfg := pcfg.ConnConfig.Copy()
+	cfg.RuntimeParams["synchronous_commit"] = "off"
+	if pcfg.BeforeConnect != nil {
+		if err := pcfg.BeforeConnect(ctx, cfg); err != nil {
+			return nil, err
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if pcfg.AfterConnect != nil {
+		if err := pcfg.AfterConnect(ctx, conn); err != nil {
+			_ = conn.Close(ctx)
+			return nil, err
+		}
+	}
+	return conn, nil
+}
+
+// close closes the count connection and refuses later counts (Store.Close).
+func (c *counter) close() {
+	c.mu.Lock()
+	c.closed = true
+	conn := c.conn
+	c.conn = nil
+	if c.idle != nil {
+		c.idle.Stop()
+	}
+	running := c.running
+	c.mu.Unlock()
+	if conn != nil && !running {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = conn.Close(ctx)
+		cancel()
+	}
 }
 
 // scanRows calls f with each row of rows.
@@ -262,8 +357,8 @@ func scanRows(rows pgx.Rows, f func(pgx.Rows) error) error {
 	return rows.Err()
 }
 
+// errStoreClosed: a count or a record asked of a closed Store.
+var errStoreClosed = errors.New("pgstore: the store is closed")
+
 // errCountConnect: the count connection could not be opened; nothing was sent.
 var errCountConnect = errors.New("pgstore: open the count connection")
-
-// errCountUnknown: a count statement failed; it may have committed or not.
-var errCountUnknown = errors.New("pgstore: the count statement failed")

@@ -306,6 +306,7 @@ func TestReview3CountConnectionOutlivesThePool(t *testing.T) {
 	const stores = 8
 	app := "review3-leak-" + strings.ReplaceAll(sch.Name, "_", "-")
 	var pools []*pgxpool.Pool
+	var closers []*pgstore.Store
 	for k := 0; k < stores; k++ {
 		u, err := url.Parse(sch.URL)
 		if err != nil {
@@ -321,8 +322,10 @@ func TestReview3CountConnectionOutlivesThePool(t *testing.T) {
 		}
 		mustCommit(t, s, countedFirst(plain("leak-"+string(rune('a'+k)), "c"), true))
 		pools = append(pools, pool)
+		closers = append(closers, s)
 	}
-	for _, pool := range pools {
+	for k, pool := range pools {
+		_ = closers[k].Close() // the count connection, opened beside the pool
 		pool.Close()
 	}
 	time.Sleep(200 * time.Millisecond)

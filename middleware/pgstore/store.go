@@ -167,6 +167,15 @@ func newNames(cfg Config) (*Store, error) {
 	return s, nil
 }
 
+// Close closes the connection the store opened beside its pool for attempt counting (the
+// group commit of counts: it holds one connection more than the pool's MaxConns while counts
+// are made, closed after 2 s without one). Call it before closing the pool; a counting claim
+// after it fails. It returns nil; the pool is the caller's.
+func (s *Store) Close() error {
+	s.counter.close()
+	return nil
+}
+
 // Table returns the quoted, schema-qualified inbox table name, e.g. "public"."inbox_processed_messages".
 func (s *Store) Table() string { return s.table }
 
