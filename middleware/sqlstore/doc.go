@@ -32,7 +32,7 @@
 // 1406) and an invalid byte sequence mangled (1366), so two distinct keys could be stored as
 // one and the second message silently skipped. INSERT ... ON DUPLICATE KEY UPDATE
 // message_id = message_id (queries/mysql/claim.sql) raises those as errors and reports a
-// duplicate as 0 rows affected with no warning; it needs UPDATE on message_id (GrantSQL) and
+// duplicate as 0 rows affected with no warning; it needs UPDATE on the table (GrantSQL) and
 // a connection without CLIENT_FOUND_ROWS (Open refuses it). Under InnoDB a duplicate check
 // takes a lock on the existing index record (shared for INSERT IGNORE, exclusive for ON
 // DUPLICATE KEY UPDATE, next-key under REPEATABLE READ): a copy of a message whose first

@@ -12,8 +12,8 @@ import (
 // owner to run after the migrations:
 //
 //   - the inbox table: SELECT (a duplicate's stored hash), INSERT (the claim), DELETE (a
-//     batch member dropped, Purge); on MySQL also UPDATE of message_id alone, which the
-//     claim's no-op ON DUPLICATE KEY UPDATE needs;
+//     batch member dropped, Purge); on MySQL also UPDATE, which the claim's no-op ON
+//     DUPLICATE KEY UPDATE needs on every column it inserts (MariaDB checks each: 1143);
 //   - the attempts table: SELECT, INSERT, UPDATE, DELETE (the durable count, dead letters,
 //     Replay);
 //   - the version table: SELECT (Migrate when nothing is pending);
@@ -34,7 +34,7 @@ func GrantSQL(cfg Config, user string) (string, error) {
 			return "", err
 		}
 		u := "'" + user + "'@'%'"
-		fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE, UPDATE (message_id) ON %s TO %s;\n", s.table, u)
+		fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;\n", s.table, u)
 		fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;\n", s.attempts, u)
 		fmt.Fprintf(&b, "GRANT SELECT ON %s TO %s;\n", s.versions, u)
 		return b.String(), nil

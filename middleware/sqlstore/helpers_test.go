@@ -82,7 +82,11 @@ func newEnv(t testing.TB, d sqlstore.Dialect, maxConns int) *env {
 		if _, err := admin.Exec("CREATE DATABASE `" + e.schema + "`"); err != nil {
 			t.Fatal(err)
 		}
+		admin.SetMaxOpenConns(1) // one session: the lock_wait_timeout below is its own
 		t.Cleanup(func() {
+			// A transaction a failed test left open would make DROP wait for its metadata
+			// lock for a year (the default lock_wait_timeout).
+			_, _ = admin.Exec("SET SESSION lock_wait_timeout = 10")
 			_, _ = admin.Exec("DROP DATABASE IF EXISTS `" + e.schema + "`")
 			_ = admin.Close()
 		})
