@@ -21,7 +21,7 @@ func TestOpenRefusesABadDSN(t *testing.T) {
 		d   sqlstore.Dialect
 		dsn string
 	}{
-		{sqlstore.MySQL, "root@tcp(127.0.0.1:3306"},           // no closing parenthesis
+		{sqlstore.MySQL, "root@tcp(127.0.0.1:3306"},             // no closing parenthesis
 		{sqlstore.MySQL, "root@tcp(127.0.0.1:3306)/test?x=%zz"}, // bad escape
 		{sqlstore.MySQL, "root@tcp(127.0.0.1:3306)/test?clientFoundRows=true"},
 		{sqlstore.MySQL, "root@tcp(127.0.0.1:3306)/test?multiStatements=true"},
