@@ -15,6 +15,7 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
+	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/sqlstore"
 )
 
@@ -399,4 +400,33 @@ func (c *batchCounter) ClaimBatch(ctx context.Context, ds []contract.Delivery) (
 		c.multi.Add(1)
 	}
 	return c.Store.ClaimBatch(ctx, ds)
+}
+
+// TestOutboxOnSQLStoreIsAConfigError: the outbox writes on pgstore's pgx transaction only
+// (docs/stores.md); on sqlstore a handler's output fails the delivery with outbox.ErrNotPgxTx,
+// an inbox.ErrInvalidConfig, and nothing of the delivery commits.
+func TestOutboxOnSQLStoreIsAConfigError(t *testing.T) {
+	forEach(t, func(t *testing.T, d sqlstore.Dialect) {
+		b := newBank(t, d, 8)
+		ob, err := outbox.New(outbox.Config{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ib := b.inbox(func(c *inbox.Config) { c.Outbox = ob })
+		h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			if err := b.credit(msg, 1, 100); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage("out-1", []byte(`{}`))}, nil
+		})
+		msg := message.NewMessage("pay-1", []byte(`{}`))
+		msg.SetContext(inbox.ContextWithPublishTopic(ctxT(t), "ledger"))
+		_, err = h(msg)
+		if !errors.Is(err, outbox.ErrNotPgxTx) || !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Fatalf("delivery with output on sqlstore: %v, want outbox.ErrNotPgxTx", err)
+		}
+		if got, n := b.balance(1), processedRows(t, b.store); got != 0 || n != 0 {
+			t.Fatalf("balance %d, %d rows; want 0, 0", got, n)
+		}
+	})
 }
