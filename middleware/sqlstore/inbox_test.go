@@ -430,3 +430,48 @@ func TestOutboxOnSQLStoreIsAConfigError(t *testing.T) {
 		}
 	})
 }
+
+// TestInboxRetriesARealDeadlock: two deliveries whose handlers update accounts 1 and 2 in
+// opposite orders meet in a real deadlock (MySQL 1213; PostgreSQL 40P01 after
+// deadlock_timeout); the server rolls one back, the inbox retries it from the claim, and both
+// messages' effects happen once.
+func TestInboxRetriesARealDeadlock(t *testing.T) {
+	forEach(t, func(t *testing.T, d sqlstore.Dialect) {
+		b := newBank(t, d, 8)
+		ib := b.inbox()
+		var arrived sync.WaitGroup
+		arrived.Add(2)
+		var firstRuns sync.Map
+		h := wrap(ib, func(msg *message.Message) error {
+			from, to := 1, 2
+			if msg.UUID == "pay-b" {
+				from, to = 2, 1
+			}
+			if err := b.credit(msg, from, 1); err != nil {
+				return err
+			}
+			if _, again := firstRuns.LoadOrStore(msg.UUID, true); !again {
+				arrived.Done()
+				arrived.Wait() // both hold their first row: the second update deadlocks
+			}
+			return b.credit(msg, to, 10)
+		})
+		var wg sync.WaitGroup
+		for _, id := range []string{"pay-a", "pay-b"} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := deliver(h, message.NewMessage(id, []byte(`{}`))); err != nil {
+					t.Errorf("%s: %v", id, err)
+				}
+			}()
+		}
+		wg.Wait()
+		if s := ib.Stats(); s.TxRetries < 1 || s.Processed != 2 {
+			t.Fatalf("stats %+v, want 2 processed after at least one retry", s)
+		}
+		if b1, b2, n := b.balance(1), b.balance(2), processedRows(t, b.store); b1 != 11 || b2 != 11 || n != 2 {
+			t.Fatalf("balances %d, %d, %d rows; want 11, 11, 2", b1, b2, n)
+		}
+	})
+}
