@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -17,7 +18,10 @@ import (
 // record.sql to read the count back, one COMMIT). On PostgreSQL the count transaction
 // commits asynchronously (async_commit.sql); on MySQL it commits as the server's
 // innodb_flush_log_at_trx_commit says. The count transactions run one at a time on
-// connections of the *sql.DB.
+// connections of the *sql.DB (pgstore counts on a connection outside its pool; a *sql.DB
+// offers no way to open one): while every connection is held by deliveries waiting for their
+// counts, a count waits up to the finish timeout and the claims fail, so the pool needs the
+// subscriber's concurrency plus 2 (TestMySQLKeyLockReleasedOnEveryPath runs on 2).
 
 type counter struct {
 	s       *Store
@@ -136,6 +140,9 @@ func (c *counter) exec(ctx context.Context, keys []keyT) (map[keyT]int, error) {
 		return nil
 	})
 	if err != nil {
+		if st := s.db.Stats(); st.MaxOpenConnections > 0 && st.InUse >= st.MaxOpenConnections {
+			err = fmt.Errorf("%w (all %d connections in use: size the pool to the concurrency plus 2)", err, st.MaxOpenConnections)
+		}
 		return nil, errors.Join(errCountUnknown, err)
 	}
 	return counts, nil

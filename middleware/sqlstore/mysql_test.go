@@ -2,7 +2,9 @@ package sqlstore_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -315,4 +317,101 @@ func TestPurgeDeletesInBoundedBatches(t *testing.T) {
 		}
 		mustClaim(t, s, plain("new-1"), contract.Duplicate)
 	})
+}
+
+// keyLockName is the store's GET_LOCK name of a key (queries.go, lockName).
+func keyLockName(schema, table string, k contract.Key) string {
+	h := sha256.Sum256([]byte("watermill-inbox\x1f" + schema + "\x1f" + table + "\x1f" + k.ConsumerName + "\x1f" + k.MessageID))
+	return "wi:" + hex.EncodeToString(h[:30])
+}
+
+// TestMySQLKeyLockReleasedOnEveryPath: GET_LOCK is held by the session, and the session goes
+// back to the pool, so a lock left behind would block its key forever. After a commit, a
+// failure, a duplicate, an exhausted claim, a dead-lettered one and a batch on a pool of two
+// sessions (the claim's, and one for the count before the handler), no key's lock is held (IS_USED_LOCK from another session) and another store's
+// sessions claim each key at once.
+func TestMySQLKeyLockReleasedOnEveryPath(t *testing.T) {
+	e := newEnv(t, sqlstore.MySQL, 4)
+	owner := e.store(t, sqlstore.Config{})
+	one := e.open(t, e.dsn, 2)
+	s, err := sqlstore.New(one, owner.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	counted := func(id string) contract.Delivery {
+		d := plain(id)
+		d.MaxAttempts, d.CountFirst = 1, true
+		return d
+	}
+	tx := mustClaim(t, s, plain("committed"), contract.Run)
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mustClaim(t, s, plain("committed"), contract.Duplicate)
+	tx = mustClaim(t, s, counted("failed"), contract.Run)
+	if _, err := tx.Fail(context.Background(), contract.Failure{Counts: true, Error: "boom"}); err != nil {
+		t.Fatal(err)
+	}
+	mustClaim(t, s, counted("failed"), contract.Exhausted)
+	if err := s.MarkDeadLettered(ctxT(t), plain("dead").Key, "poison"); err != nil {
+		t.Fatal(err)
+	}
+	mustClaim(t, s, counted("dead"), contract.DeadLettered)
+	bt, _, err := s.ClaimBatch(ctxT(t), []contract.Delivery{plain("b1"), plain("b2")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.Rollback(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"committed", "failed", "dead", "b1", "b2"} {
+		var holder sql.NullInt64
+		if err := e.db.QueryRow("SELECT IS_USED_LOCK(?)", keyLockName(e.schema, sqlstore.DefaultTable, plain(id).Key)).Scan(&holder); err != nil {
+			t.Fatal(err)
+		}
+		if holder.Valid {
+			t.Fatalf("%s: its lock is still held by session %d", id, holder.Int64)
+		}
+	}
+	tx = mustClaim(t, owner, plain("b1"), contract.Run)
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestMySQLKilledSessionReleasesItsClaim: the server ends a session in the middle of a
+// handler (KILL CONNECTION: a crash of the consumer's connection). Its transaction rolls back
+// and its GET_LOCK is released with the session, so the redelivery is claimed and run; the
+// business write of the killed attempt is gone and the effect happens once.
+func TestMySQLKilledSessionReleasesItsClaim(t *testing.T) {
+	e := newEnv(t, sqlstore.MySQL, 6)
+	s := e.store(t, sqlstore.Config{})
+	e.exec(t, "CREATE TABLE accounts (id INT PRIMARY KEY, balance BIGINT NOT NULL)")
+	e.exec(t, "INSERT INTO accounts VALUES (1, 0)")
+	tx := mustClaim(t, s, plain("m1"), contract.Run)
+	htx, _ := sqlstore.TxFromContext(tx.Context(context.Background()))
+	if _, err := htx.Exec("UPDATE accounts SET balance = balance + 100 WHERE id = 1"); err != nil {
+		t.Fatal(err)
+	}
+	var holder sql.NullInt64
+	if err := e.db.QueryRow("SELECT IS_USED_LOCK(?)", keyLockName(e.schema, sqlstore.DefaultTable, plain("m1").Key)).Scan(&holder); err != nil || !holder.Valid {
+		t.Fatalf("the claim's lock is not held: %v %v", holder, err)
+	}
+	e.exec(t, fmt.Sprintf("KILL CONNECTION %d", holder.Int64))
+	if err := tx.Commit(context.Background()); err == nil {
+		t.Fatal("commit on a killed session succeeded")
+	}
+	_, _ = tx.Fail(context.Background(), contract.Failure{})
+	tx = mustClaim(t, s, plain("m1"), contract.Run)
+	htx, _ = sqlstore.TxFromContext(tx.Context(context.Background()))
+	if _, err := htx.Exec("UPDATE accounts SET balance = balance + 100 WHERE id = 1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mustClaim(t, s, plain("m1"), contract.Duplicate)
+	if got := e.count(t, "SELECT balance FROM accounts WHERE id = 1"); got != 100 {
+		t.Fatalf("balance %d, want 100 (once)", got)
+	}
 }
