@@ -31,6 +31,7 @@ const (
 	MySQL
 )
 
+// String returns "postgres", "mysql", or Dialect(n) for an unknown value.
 func (d Dialect) String() string {
 	switch d {
 	case PostgreSQL:
