@@ -190,7 +190,7 @@ func (t *batchTx) countFirst(ctx context.Context, ds []contract.Delivery, claims
 
 // Context returns ctx carrying the batch's *sql.Tx (TxFromContext).
 func (t *batchTx) Context(ctx context.Context) context.Context {
-	return context.WithValue(ctx, txKey{}, t.tx)
+	return context.WithValue(ctx, txKey{}, ctxTx{tx: t.tx, d: t.se.s.cfg.Dialect})
 }
 
 // Savepoint marks the point Drop rolls back to: RELEASE SAVEPOINT of the open one, then

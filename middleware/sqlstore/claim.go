@@ -18,6 +18,12 @@ type keyT = contract.Key
 
 type txKey struct{}
 
+// ctxTx is what the handler's context carries: the inbox transaction and its dialect.
+type ctxTx struct {
+	tx *sql.Tx
+	d  Dialect
+}
+
 // TxFromContext returns the inbox transaction of the delivery whose context is ctx (the
 // handler's msg.Context()), and false outside an inbox-wrapped handler. Run the handler's
 // business writes on it so they commit or roll back with the claim. Do not end it: the
@@ -28,8 +34,15 @@ type txKey struct{}
 // failure). A handler that committed this way committed its claim with its writes, so the
 // redelivery is a duplicate; one that rolled back lost them both.
 func TxFromContext(ctx context.Context) (*sql.Tx, bool) {
-	tx, ok := ctx.Value(txKey{}).(*sql.Tx)
-	return tx, ok
+	c, ok := ctx.Value(txKey{}).(ctxTx)
+	return c.tx, ok
+}
+
+// DialectFromContext returns the dialect of the inbox transaction ctx carries
+// (TxFromContext), and false outside one. The outbox uses it to refuse MySQL.
+func DialectFromContext(ctx context.Context) (Dialect, bool) {
+	c, ok := ctx.Value(txKey{}).(ctxTx)
+	return c.d, ok
 }
 
 // isoLevel maps the delivery's level: sql.LevelDefault is READ COMMITTED on both databases
@@ -351,7 +364,7 @@ func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, error) {
 
 // Context returns ctx carrying the inbox's *sql.Tx (TxFromContext).
 func (t *claimTx) Context(ctx context.Context) context.Context {
-	return context.WithValue(ctx, txKey{}, t.tx)
+	return context.WithValue(ctx, txKey{}, ctxTx{tx: t.tx, d: t.se.s.cfg.Dialect})
 }
 
 // Commit commits, after checking that the handler did not end the transaction (ErrTxEnded),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/sqlstore"
@@ -402,33 +404,87 @@ func (c *batchCounter) ClaimBatch(ctx context.Context, ds []contract.Delivery) (
 	return c.Store.ClaimBatch(ctx, ds)
 }
 
-// TestOutboxOnSQLStoreIsAConfigError: the outbox writes on pgstore's pgx transaction only
-// (docs/stores.md); on sqlstore a handler's output fails the delivery with outbox.ErrNotPgxTx,
-// an inbox.ErrInvalidConfig, and nothing of the delivery commits.
-func TestOutboxOnSQLStoreIsAConfigError(t *testing.T) {
-	forEach(t, func(t *testing.T, d sqlstore.Dialect) {
-		b := newBank(t, d, 8)
-		ob, err := outbox.New(outbox.Config{}, nil)
-		if err != nil {
-			t.Fatal(err)
+// TestOutboxOnSQLStoreMySQLIsAConfigError: the outbox writes watermill-sql's PostgreSQL
+// schema (docs/stores.md); on sqlstore's MySQL dialect a handler's output fails the delivery
+// with outbox.ErrNotPgxTx, an inbox.ErrInvalidConfig, and nothing of the delivery commits.
+func TestOutboxOnSQLStoreMySQLIsAConfigError(t *testing.T) {
+	b := newBank(t, sqlstore.MySQL, 8)
+	ob, err := outbox.New(outbox.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib := b.inbox(func(c *inbox.Config) { c.Outbox = ob })
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if err := b.credit(msg, 1, 100); err != nil {
+			return nil, err
 		}
-		ib := b.inbox(func(c *inbox.Config) { c.Outbox = ob })
-		h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-			if err := b.credit(msg, 1, 100); err != nil {
-				return nil, err
-			}
-			return []*message.Message{message.NewMessage("out-1", []byte(`{}`))}, nil
-		})
-		msg := message.NewMessage("pay-1", []byte(`{}`))
-		msg.SetContext(inbox.ContextWithPublishTopic(ctxT(t), "ledger"))
-		_, err = h(msg)
-		if !errors.Is(err, outbox.ErrNotPgxTx) || !errors.Is(err, inbox.ErrInvalidConfig) {
-			t.Fatalf("delivery with output on sqlstore: %v, want outbox.ErrNotPgxTx", err)
-		}
-		if got, n := b.balance(1), processedRows(t, b.store); got != 0 || n != 0 {
-			t.Fatalf("balance %d, %d rows; want 0, 0", got, n)
-		}
+		return []*message.Message{message.NewMessage("out-1", []byte(`{}`))}, nil
 	})
+	msg := message.NewMessage("pay-1", []byte(`{}`))
+	msg.SetContext(inbox.ContextWithPublishTopic(ctxT(t), "ledger"))
+	_, err = h(msg)
+	if !errors.Is(err, outbox.ErrNotPgxTx) || !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Fatalf("delivery with output on sqlstore: %v, want outbox.ErrNotPgxTx", err)
+	}
+	if got, n := b.balance(1), processedRows(t, b.store); got != 0 || n != 0 {
+		t.Fatalf("balance %d, %d rows; want 0, 0", got, n)
+	}
+}
+
+// TestOutboxOnSQLStorePostgreSQL: on sqlstore's PostgreSQL dialect the outbox writes its rows
+// in the inbox's *sql.Tx: a failed delivery leaves none, a processed one leaves one row per
+// produced message with the business write and the claim, and a duplicate produces none again.
+func TestOutboxOnSQLStorePostgreSQL(t *testing.T) {
+	b := newBank(t, sqlstore.PostgreSQL, 8)
+	sep := "?"
+	if strings.Contains(b.dsn, "?") {
+		sep = "&"
+	}
+	pool := testenv.NewPool(t, b.dsn+sep+"search_path="+b.schema, 4)
+	ocfg := outbox.Config{Schema: b.schema}
+	if err := outbox.InitializeSchema(ctxT(t), pool, ocfg); err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(ocfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib := b.inbox(func(c *inbox.Config) { c.Outbox = ob })
+	fail := true
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if err := b.credit(msg, 1, 100); err != nil {
+			return nil, err
+		}
+		if fail {
+			fail = false
+			return []*message.Message{message.NewMessage("out-1", []byte(`{}`))}, errors.New("boom")
+		}
+		return []*message.Message{message.NewMessage("out-1", []byte(`{"n":1}`)), message.NewMessage("out-2", []byte(`{"n":2}`))}, nil
+	})
+	outboxRows := func() int { return b.count(t, "SELECT count(*) FROM "+ocfg.MessagesTable()) }
+	msg := message.NewMessage("pay-1", []byte(`{}`))
+	for k, wantErr := range []bool{true, false, false} {
+		m := msg.Copy()
+		m.SetContext(inbox.ContextWithPublishTopic(ctxT(t), "ledger"))
+		if _, err := h(m); (err != nil) != wantErr {
+			t.Fatalf("delivery %d: %v", k+1, err)
+		}
+		if k == 0 && outboxRows() != 0 {
+			t.Fatalf("a failed delivery left %d outbox rows", outboxRows())
+		}
+	}
+	if got, n, o := b.balance(1), processedRows(t, b.store), outboxRows(); got != 100 || n != 1 || o != 2 {
+		t.Fatalf("balance %d, %d inbox rows, %d outbox rows; want 100, 1, 2", got, n, o)
+	}
+	// The rows are watermill-sql's, each a forwarder envelope naming its destination topic,
+	// as pgstore's outbox writes them; the relay (tested with pgstore in package outbox)
+	// reads them the same way. It is not run here: watermill-sql's PostgreSQL subscriber
+	// waits for every older transaction of the cluster, which other tests may hold open.
+	var wrong int
+	q := "SELECT count(*) FROM " + ocfg.MessagesTable() + " WHERE transaction_id IS NULL OR payload::text NOT LIKE '%ledger%'"
+	if err := b.db.QueryRow(q).Scan(&wrong); err != nil || wrong != 0 {
+		t.Fatalf("%d outbox rows without a transaction ID or their destination topic (%v)", wrong, err)
+	}
 }
 
 // TestInboxRetriesARealDeadlock: two deliveries whose handlers update accounts 1 and 2 in
