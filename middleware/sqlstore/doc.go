@@ -19,7 +19,7 @@
 //
 // The statements are in queries/<dialect>/*.sql and the migrations in
 // migrations/<dialect>/*.sql, one statement per file. What each store and dialect supports
-// (pgstore's compact layout, partitions, store-then-process, the outbox) is in
+// (pgstore's compact layout, partitions and store-then-process; the outbox on PostgreSQL only) is in
 // docs/stores.md.
 //
 // # MySQL and MariaDB

@@ -415,3 +415,32 @@ func TestMySQLKilledSessionReleasesItsClaim(t *testing.T) {
 		t.Fatalf("balance %d, want 100 (once)", got)
 	}
 }
+
+// TestCountWithEveryConnectionInUse: a delivery that counts first needs a second connection
+// for its count (a *sql.DB has no connection outside its pool, as pgstore's count has). On a
+// pool of one, the count waits up to the finish timeout and the claim fails, saying how to
+// size the pool, with nothing left open or counted: the same key is then claimed on a pool
+// of two.
+func TestCountWithEveryConnectionInUse(t *testing.T) {
+	forEach(t, func(t *testing.T, d sqlstore.Dialect) {
+		e := newEnv(t, d, 4)
+		owner := e.store(t, sqlstore.Config{})
+		s, err := sqlstore.New(e.open(t, e.dsn, 1), owner.Config())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dl := plain("m1")
+		dl.MaxAttempts, dl.CountFirst, dl.FinishTimeout = 3, true, 300*time.Millisecond
+		tx, _, err := s.Claim(ctxT(t), dl)
+		if err == nil || tx != nil || !strings.Contains(err.Error(), "size the pool") {
+			t.Fatalf("claim on a pool of one: %v (Tx %v), want the count's pool error", err, tx != nil)
+		}
+		if n, ok := attemptsRow(t, owner, d, dl.Key); ok {
+			t.Fatalf("%d attempts counted by the failed claim", n)
+		}
+		tx = mustClaim(t, owner, dl, contract.Run)
+		if err := tx.Commit(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
