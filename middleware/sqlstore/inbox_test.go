@@ -531,3 +531,63 @@ func TestInboxRetriesARealDeadlock(t *testing.T) {
 		}
 	})
 }
+
+// TestInboxConcurrentCopiesAndFailures: 40 messages, each delivered 3 times by 8 concurrent
+// workers in shuffled order, with a dead-letter topic (counting first) and a handler that
+// fails every message's first run: every message ends processed exactly once (one row, its
+// credit once), none is dead-lettered, and no attempt record is left.
+func TestInboxConcurrentCopiesAndFailures(t *testing.T) {
+	forEach(t, func(t *testing.T, d sqlstore.Dialect) {
+		b := newBank(t, d, 12)
+		pub := &dlq{}
+		ib := b.inbox(func(c *inbox.Config) {
+			c.DeadLetterPublisher, c.DeadLetterTopic, c.MaxAttempts = pub, "dead", 5
+		})
+		var mu sync.Mutex
+		failedOnce := map[string]bool{}
+		h := wrap(ib, func(msg *message.Message) error {
+			if err := b.credit(msg, 1, 1); err != nil {
+				return err
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if !failedOnce[msg.UUID] {
+				failedOnce[msg.UUID] = true
+				return errors.New("first run fails")
+			}
+			return nil
+		})
+		const messages, copies = 40, 3
+		work := make(chan string, messages*copies*2)
+		for c := range copies {
+			for k := range messages {
+				work <- fmt.Sprintf("m-%d", (k*7+c*13)%messages)
+			}
+		}
+		var pending sync.WaitGroup
+		pending.Add(messages * copies)
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for id := range work {
+					if err := deliver(h, message.NewMessage(id, []byte(`{}`))); err != nil {
+						work <- id // nacked: redelivered
+						continue
+					}
+					pending.Done()
+				}
+			}()
+		}
+		pending.Wait()
+		close(work)
+		wg.Wait()
+		if got, n := b.balance(1), processedRows(t, b.store); got != messages || n != messages {
+			t.Fatalf("balance %d, %d rows; want %d, %d (each message once)", got, n, messages, messages)
+		}
+		if left := b.count(t, "SELECT count(*) FROM "+b.store.AttemptsTable()); left != 0 || pub.len() != 0 {
+			t.Fatalf("%d attempt records left, %d dead letters; want none", left, pub.len())
+		}
+	})
+}
