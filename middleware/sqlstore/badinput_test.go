@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/go-sql-driver/mysql"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -201,4 +202,34 @@ func TestMySQLPadSpaceCollationWouldMergeKeys(t *testing.T) {
 			t.Fatalf("%s: %q after %q: %v, want a duplicate (1062)", c.collation, c.b, c.a, err)
 		}
 	}
+}
+
+// TestDuplicateCarriesItsStoredTime: a duplicate (single or in a batch) reports when its
+// claim was stored (contract.Claim.StoredAt, the inbox's DuplicateAge), by the database's
+// clock.
+func TestDuplicateCarriesItsStoredTime(t *testing.T) {
+	forEach(t, func(t *testing.T, d sqlstore.Dialect) {
+		e := newEnv(t, d, 4)
+		s := e.store(t, sqlstore.Config{})
+		before := time.Now()
+		tx := mustClaim(t, s, plain("m1"), contract.Run)
+		if err := tx.Commit(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		_, c, err := s.Claim(ctxT(t), plain("m1"))
+		if err != nil || c.Decision != contract.Duplicate {
+			t.Fatalf("claim: %+v %v", c, err)
+		}
+		if c.StoredAt.Before(before.Add(-2*time.Second)) || c.StoredAt.After(time.Now().Add(2*time.Second)) {
+			t.Fatalf("StoredAt %s, want about %s", c.StoredAt, before)
+		}
+		bt, cs, err := s.ClaimBatch(ctxT(t), []contract.Delivery{plain("m1"), plain("m2")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = bt.Rollback(context.Background()) }()
+		if cs[0].Decision != contract.Duplicate || !cs[0].StoredAt.Equal(c.StoredAt) {
+			t.Fatalf("batch duplicate: %+v, want StoredAt %s", cs[0], c.StoredAt)
+		}
+	})
 }

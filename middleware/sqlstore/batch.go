@@ -120,18 +120,15 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 		if n, err := res.RowsAffected(); err != nil {
 			return nil, err
 		} else if n != 1 {
-			var stored []byte
-			err := s.q.storedHash.row(ctx, tx, keyArgs(d.Key)).Scan(&stored)
+			stored, at, err := s.storedHash(ctx, tx, d.Key)
 			switch {
 			case errors.Is(err, sql.ErrNoRows):
 				claims[k] = contract.Claim{Decision: contract.RunAlone}
 			case err != nil:
 				return nil, err
 			default:
-				if stored == nil {
-					stored = []byte{}
-				}
 				claims[k] = contract.Decide(d, false, stored, contract.Record{})
+				claims[k].StoredAt = at
 				m.dirty = t.counting // a processed key's record is stale: cleared after COMMIT
 			}
 			continue

@@ -249,11 +249,13 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 		return nil, contract.Claim{}, fmt.Errorf("sqlstore: claim: %w", err)
 	}
 	if !claimed {
-		stored, err := t.endDuplicate(ctx)
+		stored, at, err := t.endDuplicate(ctx)
 		if err != nil {
 			return nil, contract.Claim{}, err
 		}
-		return nil, contract.Decide(d, false, stored, contract.Record{}), nil
+		c := contract.Decide(d, false, stored, contract.Record{})
+		c.StoredAt = at
+		return nil, c, nil
 	}
 	c := contract.Decide(d, true, nil, rec)
 	if c.Decision == contract.Run && t.counting && d.CountFirst {
@@ -339,27 +341,41 @@ func (t *claimTx) end(ctx context.Context, committed bool) {
 // endDuplicate ends the transaction of a claim that inserted nothing: it reads the stored
 // payload hash, rolls back and, with counting, deletes the processed key's stale attempt
 // record. No stored row (PostgreSQL) means the key's lock was held: errKeyHeld.
-func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, error) {
+func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 	s := t.se.s
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.se.finish)
 	defer cancel()
-	var stored []byte
-	err := s.q.storedHash.row(dctx, t.tx, keyArgs(t.key)).Scan(&stored)
+	stored, at, err := s.storedHash(dctx, t.tx, t.key)
 	held := errors.Is(err, sql.ErrNoRows)
 	t.end(ctx, false)
 	switch {
 	case held:
-		return nil, errKeyHeld
+		return nil, at, errKeyHeld
 	case err != nil:
-		return nil, fmt.Errorf("sqlstore: claim: read stored payload hash: %w", err)
+		return nil, at, fmt.Errorf("sqlstore: claim: read stored payload hash: %w", err)
 	}
 	if t.counting {
 		_, _ = s.q.clearProcessed.exec(dctx, s.db, keyArgs(t.key)) // best effort: only a stale record
 	}
+	return stored, at, nil
+}
+
+// storedHash reads an existing claim's payload hash (empty, not nil, when none was kept) and
+// when it was stored (queries/<dialect>/stored_hash.sql); sql.ErrNoRows when there is none.
+func (s *Store) storedHash(ctx context.Context, e execer, k keyT) ([]byte, time.Time, error) {
+	var stored []byte
+	var epoch sql.NullFloat64
+	if err := s.q.storedHash.row(ctx, e, keyArgs(k)).Scan(&stored, &epoch); err != nil {
+		return nil, time.Time{}, err
+	}
 	if stored == nil {
 		stored = []byte{}
 	}
-	return stored, nil
+	var at time.Time
+	if epoch.Valid {
+		at = time.UnixMicro(int64(epoch.Float64 * 1e6))
+	}
+	return stored, at, nil
 }
 
 // Context returns ctx carrying the inbox's *sql.Tx (TxFromContext).
