@@ -451,3 +451,33 @@ func TestCountWithEveryConnectionInUse(t *testing.T) {
 		}
 	})
 }
+
+// TestMySQLPurgeIgnoresTheSessionTimeZone: received_at is a DATETIME written in the session's
+// time zone. On sessions five hours behind UTC, fresh rows must survive a purge of rows older
+// than an hour (a cut sent as a UTC time would fall five hours after their wall-clock time and
+// delete them), and rows aged two hours by the server's clock go.
+func TestMySQLPurgeIgnoresTheSessionTimeZone(t *testing.T) {
+	e := newEnv(t, sqlstore.MySQL, 4)
+	owner := e.store(t, sqlstore.Config{})
+	behind := e.open(t, e.dsn+"?time_zone=%27-05%3A00%27", 4)
+	s, err := sqlstore.New(behind, owner.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"fresh-1", "fresh-2", "old-1"} {
+		tx := mustClaim(t, s, plain(id), contract.Run)
+		if err := tx.Commit(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := behind.Exec("UPDATE " + s.Table() + " SET received_at = received_at - INTERVAL 2 HOUR WHERE message_id = 'old-1'"); err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.Purge(ctxT(t), sqlstore.PurgeParams{Before: time.Now().Add(-time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Deleted != 1 || processedRows(t, s) != 2 {
+		t.Fatalf("purge on a session 5 h behind UTC: %+v, %d rows left; want 1 deleted, 2 left", res, processedRows(t, s))
+	}
+}

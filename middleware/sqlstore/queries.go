@@ -108,6 +108,7 @@ type queryArgs struct {
 	delta, attempts            int
 	lastError, reason          any // text or NULL
 	before                     time.Time
+	ageMicros                  int64 // now - before, for MySQL's DATETIME
 	batchSize                  int64
 }
 
@@ -142,6 +143,8 @@ func (q query) args(a *queryArgs) []any {
 			out[k] = a.reason
 		case "before":
 			out[k] = a.before
+		case "age_micros":
+			out[k] = a.ageMicros
 		case "batch_size":
 			out[k] = a.batchSize
 		default:

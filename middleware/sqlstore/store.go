@@ -244,14 +244,17 @@ type PurgeResult struct {
 // (each its own transaction; MySQL: DELETE ... ORDER BY received_at LIMIT n), oldest first,
 // until a batch deletes fewer rows than its size or ctx ends. Purging a row lets a later
 // redelivery of its message through as new: Before must be older than the longest
-// redelivery the consumer supports (inbox.Retention).
+// redelivery the consumer supports (inbox.Retention). On MySQL, whose DATETIME has no time
+// zone, the cut is p.Before's age (time.Since) taken back from the server's clock in the
+// session's time zone, as received_at was written.
 func (s *Store) Purge(ctx context.Context, p PurgeParams) (PurgeResult, error) {
 	var res PurgeResult
 	size := p.BatchSize
 	if size <= 0 {
 		size = DefaultPurgeBatchSize
 	}
-	a := &queryArgs{before: p.Before.UTC(), consumerName: nullIfEmpty(p.ConsumerName), batchSize: int64(size)}
+	a := &queryArgs{before: p.Before.UTC(), consumerName: nullIfEmpty(p.ConsumerName), batchSize: int64(size),
+		ageMicros: max(time.Since(p.Before).Microseconds(), 0)}
 	for {
 		r, err := s.q.purge.exec(ctx, s.db, a)
 		if err != nil {
