@@ -100,6 +100,7 @@ func rootCmd() *cobra.Command {
 	root.AddCommand(statsCmd())
 	root.AddCommand(deadCmd())
 	root.AddCommand(grantsCmd())
+	root.AddCommand(sqlCmd())
 	guard(root)
 	return root
 }

@@ -13,12 +13,15 @@ import (
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
+	"github.com/watermill-inbox/watermill-inbox/middleware/sqlstore"
 )
 
 // ErrNotPgxTx is returned (wrapping inbox.ErrInvalidConfig) by Outbox.Store when its context
-// carries no pgstore transaction (pgstore.TxFromContext): the outbox writes with watermill-sql
-// on pgx, so the inbox must use pgstore. It is a wiring error, not permanent.
-var ErrNotPgxTx = fmt.Errorf("%w: outbox: no pgstore transaction in the context (the inbox must use pgstore)", inbox.ErrInvalidConfig)
+// carries no PostgreSQL inbox transaction: neither pgstore's (pgstore.TxFromContext) nor
+// sqlstore's on its PostgreSQL dialect (sqlstore.TxFromContext). The outbox writes
+// watermill-sql's PostgreSQL schema, so sqlstore's MySQL dialect gets it too. It is a wiring
+// error, not permanent.
+var ErrNotPgxTx = fmt.Errorf("%w: outbox: no PostgreSQL inbox transaction in the context (the inbox must use pgstore, or sqlstore with sqlstore.PostgreSQL)", inbox.ErrInvalidConfig)
 
 // Outbox implements inbox.Outbox with Watermill's components: a watermill-sql v4 Publisher on
 // the inbox's pgx transaction (sql.TxFromPgx), decorated by components/forwarder's Publisher,
@@ -55,17 +58,25 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 func (o *Outbox) Config() Config { return o.cfg }
 
 // Store implements inbox.Outbox: it inserts msgs, enveloped for topic, into the outbox table in
-// the inbox transaction ctx carries (pgstore.TxFromContext), in one INSERT statement, in
+// the inbox transaction ctx carries (pgstore.TxFromContext, or sqlstore.TxFromContext on
+// sqlstore's PostgreSQL dialect), in one INSERT statement, in
 // order. It does not commit: the inbox does. The caller's messages are not modified.
 //
-// Errors: ErrNotPgxTx for a context without a pgstore transaction; an *inbox.InvalidKeyError (permanent) for a
+// Errors: ErrNotPgxTx for a context without a PostgreSQL inbox transaction; an *inbox.InvalidKeyError (permanent) for a
 // message whose UUID a downstream inbox would refuse (empty, over inbox.MaxKeyBytes, invalid
 // UTF-8, NUL); a permanent error for a nil message, an empty topic, or metadata that is not
 // valid UTF-8 (the JSON envelope would silently alter it); otherwise watermill-sql's or pgx's
 // error, wrapped. Errors name message UUIDs and metadata keys, never payloads or values.
 func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Message) error {
-	tx, ok := pgstore.TxFromContext(ctx)
-	if !ok {
+	var exec wmsql.ContextExecutor
+	if tx, ok := pgstore.TxFromContext(ctx); ok {
+		exec = wmsql.TxFromPgx(tx)
+	} else if tx, ok := sqlstore.TxFromContext(ctx); ok {
+		if d, _ := sqlstore.DialectFromContext(ctx); d != sqlstore.PostgreSQL {
+			return ErrNotPgxTx
+		}
+		exec = wmsql.TxFromStdSQL(tx)
+	} else {
 		return ErrNotPgxTx
 	}
 	if topic == "" || !utf8.ValidString(topic) {
@@ -82,7 +93,7 @@ func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Messag
 		}
 		copies[i] = c
 	}
-	sqlPub, err := wmsql.NewPublisher(wmsql.TxFromPgx(tx), wmsql.PublisherConfig{
+	sqlPub, err := wmsql.NewPublisher(exec, wmsql.PublisherConfig{
 		SchemaAdapter: o.schema,
 		// Refused by watermill-sql on a transaction anyway: CREATE TABLE could commit it.
 		AutoInitializeSchema: false,

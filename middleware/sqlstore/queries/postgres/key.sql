@@ -1,0 +1,1 @@
+{{define "key"}}message_id = @message_id AND consumer_name = @consumer_name{{end}}
