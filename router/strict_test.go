@@ -44,10 +44,10 @@ func TestLoadConfigRefusesAmbiguousFiles(t *testing.T) {
 		})
 	}
 	path := filepath.Join(dir, "ok.json")
-	if err := os.WriteFile(path, []byte("{\"broker\": \"nats\", \"url\": \"nats://127.0.0.1:4222\", \"mode\": \"immediate\"}\n\n"), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte("{\"broker\": \"fake\", \"url\": \"fake://local\", \"mode\": \"immediate\"}\n\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if cfg, err := router.LoadConfig(path); err != nil || cfg.Broker != "nats" || cfg.URL != "nats://127.0.0.1:4222" {
+	if cfg, err := router.LoadConfig(path); err != nil || cfg.Broker != "fake" || cfg.URL != "fake://local" {
 		t.Fatalf("a plain file: %+v, %v", cfg, err)
 	}
 }
@@ -77,9 +77,9 @@ func TestConfigFromEnvRefusesAmbiguousEnvironments(t *testing.T) {
 			}
 		})
 	}
-	t.Setenv("INBOX_BROKER", "nats")
-	t.Setenv("INBOX_BROKER_URL", "nats://127.0.0.1:4222")
-	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.Broker != "nats" {
+	t.Setenv("INBOX_BROKER", "fake")
+	t.Setenv("INBOX_BROKER_URL", "fake://local")
+	if cfg, err := router.ConfigFromEnv(); err != nil || cfg.Broker != "fake" {
 		t.Fatalf("the documented variables: %+v, %v", cfg, err)
 	}
 }
