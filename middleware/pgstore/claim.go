@@ -433,6 +433,21 @@ type clearKey struct {
 func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey, unlockKey string) error {
 	q := s.q.clearProcessed
 	inside := iso == pgx.ReadCommitted && conn.Conn().PgConn().TxStatus() == 'T'
+	if len(clear) == 0 && unlockKey == "" {
+		// COMMIT alone: the simple protocol's one message, as pgx's own Tx sends it.
+		results, err := conn.Conn().PgConn().Exec(ctx, "commit").ReadAll()
+		switch {
+		case err == nil && len(results) > 0 && results[0].CommandTag.String() == "COMMIT":
+			return nil
+		case err == nil && len(results) > 0:
+			err = pgx.ErrTxCommitRollback
+		}
+		var pgErr *pgconn.PgError
+		if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
+			return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
+		}
+		return err
+	}
 	b := &pgx.Batch{}
 	if inside {
 		for _, c := range clear {
