@@ -11,9 +11,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/sqltx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	"github.com/watermill-inbox/watermill-inbox/middleware/sqlstore"
 )
 
 // ErrNotPgxTx is returned (wrapping inbox.ErrInvalidConfig) by Outbox.Store when its context
@@ -71,8 +71,8 @@ func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Messag
 	var exec wmsql.ContextExecutor
 	if tx, ok := pgstore.TxFromContext(ctx); ok {
 		exec = wmsql.TxFromPgx(tx)
-	} else if tx, ok := sqlstore.TxFromContext(ctx); ok {
-		if d, _ := sqlstore.DialectFromContext(ctx); d != sqlstore.PostgreSQL {
+	} else if tx, postgres, ok := sqltx.From(ctx); ok {
+		if !postgres {
 			return ErrNotPgxTx
 		}
 		exec = wmsql.TxFromStdSQL(tx)

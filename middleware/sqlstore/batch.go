@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/sqltx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
@@ -187,7 +188,7 @@ func (t *batchTx) countFirst(ctx context.Context, ds []contract.Delivery, claims
 
 // Context returns ctx carrying the batch's *sql.Tx (TxFromContext).
 func (t *batchTx) Context(ctx context.Context) context.Context {
-	return context.WithValue(ctx, txKey{}, ctxTx{tx: t.tx, d: t.se.s.cfg.Dialect})
+	return sqltx.With(ctx, t.tx, t.se.s.cfg.Dialect == PostgreSQL)
 }
 
 // Savepoint marks the point Drop rolls back to: RELEASE SAVEPOINT of the open one, then

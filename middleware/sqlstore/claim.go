@@ -11,18 +11,11 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/internal/sqltx"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
 type keyT = contract.Key
-
-type txKey struct{}
-
-// ctxTx is what the handler's context carries: the inbox transaction and its dialect.
-type ctxTx struct {
-	tx *sql.Tx
-	d  Dialect
-}
 
 // TxFromContext returns the inbox transaction of the delivery whose context is ctx (the
 // handler's msg.Context()), and false outside an inbox-wrapped handler. Run the handler's
@@ -34,15 +27,18 @@ type ctxTx struct {
 // failure). A handler that committed this way committed its claim with its writes, so the
 // redelivery is a duplicate; one that rolled back lost them both.
 func TxFromContext(ctx context.Context) (*sql.Tx, bool) {
-	c, ok := ctx.Value(txKey{}).(ctxTx)
-	return c.tx, ok
+	tx, _, ok := sqltx.From(ctx)
+	return tx, ok
 }
 
 // DialectFromContext returns the dialect of the inbox transaction ctx carries
 // (TxFromContext), and false outside one. The outbox uses it to refuse MySQL.
 func DialectFromContext(ctx context.Context) (Dialect, bool) {
-	c, ok := ctx.Value(txKey{}).(ctxTx)
-	return c.d, ok
+	_, postgres, ok := sqltx.From(ctx)
+	if postgres {
+		return PostgreSQL, ok
+	}
+	return MySQL, ok
 }
 
 // isoLevel maps the delivery's level: sql.LevelDefault is READ COMMITTED on both databases
@@ -380,7 +376,7 @@ func (s *Store) storedHash(ctx context.Context, e execer, k keyT) ([]byte, time.
 
 // Context returns ctx carrying the inbox's *sql.Tx (TxFromContext).
 func (t *claimTx) Context(ctx context.Context) context.Context {
-	return context.WithValue(ctx, txKey{}, ctxTx{tx: t.tx, d: t.se.s.cfg.Dialect})
+	return sqltx.With(ctx, t.tx, t.se.s.cfg.Dialect == PostgreSQL)
 }
 
 // Commit commits, after checking that the handler did not end the transaction (ErrTxEnded),
