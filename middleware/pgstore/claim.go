@@ -422,6 +422,30 @@ func (t *claimTx) committedByHandler(ctx context.Context) bool {
 	return committed
 }
 
+// commitAlone sends COMMIT alone, in the simple protocol's one message (as pgx's own Tx
+// sends it), and classifies its outcome as commitWith does.
+func commitAlone(ctx context.Context, conn *pgxpool.Conn) error {
+	results, err := conn.Conn().PgConn().Exec(ctx, "commit").ReadAll()
+	switch {
+	case err == nil && len(results) > 0 && results[0].CommandTag.String() == "COMMIT":
+		return nil
+	case err == nil && len(results) > 0:
+		err = pgx.ErrTxCommitRollback
+	}
+	return rolledBack(err)
+}
+
+// rolledBack wraps a commit error with contract.ErrCommitRolledBack when the rollback is
+// certain: the server answered ROLLBACK, or raised an error. Any other error (the connection
+// broke) leaves the outcome unknown and is returned as it is.
+func rolledBack(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
+		return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
+	}
+	return err
+}
+
 // clearKey names a key whose attempt record the commit clears.
 type clearKey struct {
 	key    inbox.Key
@@ -434,19 +458,7 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 	q := s.q.clearProcessed
 	inside := iso == pgx.ReadCommitted && conn.Conn().PgConn().TxStatus() == 'T'
 	if len(clear) == 0 && unlockKey == "" {
-		// COMMIT alone: the simple protocol's one message, as pgx's own Tx sends it.
-		results, err := conn.Conn().PgConn().Exec(ctx, "commit").ReadAll()
-		switch {
-		case err == nil && len(results) > 0 && results[0].CommandTag.String() == "COMMIT":
-			return nil
-		case err == nil && len(results) > 0:
-			err = pgx.ErrTxCommitRollback
-		}
-		var pgErr *pgconn.PgError
-		if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
-			return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
-		}
-		return err
+		return commitAlone(ctx, conn)
 	}
 	b := &pgx.Batch{}
 	if inside {
@@ -477,13 +489,10 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 	case tag.String() != "":
 		err = pgx.ErrTxCommitRollback
 	}
-	var pgErr *pgconn.PgError
-	if errors.Is(err, pgx.ErrTxCommitRollback) || errors.As(err, &pgErr) {
-		if tag.String() == "" && !conn.Conn().IsClosed() && conn.Conn().PgConn().TxStatus() != 'I' {
-			// The clean-up failed before COMMIT ran: the transaction is aborted; end it.
-			_, _ = conn.Conn().PgConn().Exec(ctx, "rollback").ReadAll()
-		}
-		return fmt.Errorf("%w: %w", contract.ErrCommitRolledBack, err)
+	err = rolledBack(err)
+	if errors.Is(err, contract.ErrCommitRolledBack) && tag.String() == "" && !conn.Conn().IsClosed() && conn.Conn().PgConn().TxStatus() != 'I' {
+		// The clean-up failed before COMMIT ran: the transaction is aborted; end it.
+		_, _ = conn.Conn().PgConn().Exec(ctx, "rollback").ReadAll()
 	}
 	return err
 }
