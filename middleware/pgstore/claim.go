@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -74,33 +76,62 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 		return nil, contract.Claim{}, err
 	}
 	t := &claimTx{s: s, conn: conn, key: d.Key, period: period, finish: finishTimeout(d.FinishTimeout), counting: d.MaxAttempts > 0}
+	t.lockKey = s.lockKey(d.Key)
 	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
+	first := countFirstResult{}
+	if t.counting && d.CountFirst {
+		// The count's own transaction, then the claim's, in the same round trip.
+		b.BeginTx(pgx.TxOptions{})
+		b.Queue("set local synchronous_commit = off")
+		a := s.claimArgs(d, period)
+		a.countToken = rand.Int64()
+		t.countToken, t.countSent = a.countToken, true
+		b.Queue(s.q.countFirst.sql, s.q.countFirst.args(a)...).QueryRow(first.scan)
+		b.Queue("commit").Exec(func(pgconn.CommandTag) error { first.committed = true; return nil })
+		b.Queue(beginSQL(lvl))
+	} else {
+		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
+	}
 	s.queueTimeouts(b)
 	claimed := false
-	claimQ := s.q.claim
-	if t.counting && d.CountFirst {
-		// Locked for the session: held until the count is settled, even if a statement of the
-		// handler aborts the transaction (which releases transaction-level locks at once).
-		claimQ, t.session = s.q.claimSession, true
-	}
-	t.lockKey = s.lockKey(d.Key)
-	b.Queue(claimQ.sql, claimQ.args(s.claimArgs(d, period))...).Exec(func(ct pgconn.CommandTag) error {
+	b.Queue(s.q.claim.sql, s.q.claim.args(s.claimArgs(d, period))...).Exec(func(ct pgconn.CommandTag) error {
 		claimed = ct.RowsAffected() == 1
 		return nil
 	})
 	var rec contract.Record
-	if t.counting {
+	switch {
+	case t.counting && d.CountFirst:
+		// The count made, the record it returned is the key's: clear it now, inside the claim's
+		// transaction, so that it is gone if and only if the claim commits (the handler ran
+		// to its end); a rollback or a crash keeps the count.
+		b.Queue(s.q.clearProcessed.sql, s.q.clearProcessed.args(keyArgs(d.Key, period))...)
+	case t.counting:
 		b.Queue(s.q.record.sql, s.q.record.args(keyArgs(d.Key, period))...).QueryRow(func(row pgx.Row) error {
 			return scanRecord(row, &rec)
 		})
 	}
-	if err := s.sendClaim(ctx, conn, b, t); err != nil {
+	err = s.sendClaim(ctx, conn, b, t)
+	t.counted = first.committed && first.counted
+	t.session = t.counted
+	if err != nil {
+		// A count that may have committed unseen (the answer was lost with the connection)
+		// is taken back by its token.
+		lost := t.countSent && t.conn.Conn().IsClosed() && !(first.answered && !first.counted)
+		pid := t.conn.Conn().PgConn().PID()
 		_ = t.end(ctx, func(ctx context.Context) error {
 			_, _ = t.conn.Exec(ctx, "rollback")
+			t.takeBack(ctx)
 			return nil
 		})
+		if lost {
+			if lerr := s.takeBackLost(ctx, t, pid); lerr != nil {
+				err = errors.Join(err, lerr)
+			}
+		}
 		return nil, contract.Claim{}, fmt.Errorf("pgstore: claim: %w", s.wrapNoPartition(err, period))
+	}
+	if d.CountFirst && t.counting && !t.counted {
+		return t.notCounted(ctx, d, claimed)
 	}
 	if !claimed {
 		stored, at, err := t.endDuplicate(ctx)
@@ -111,17 +142,19 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 		c.StoredAt = at
 		return nil, c, nil
 	}
-	c := contract.Decide(d, true, nil, rec)
-	if c.Decision == contract.Run && t.counting && d.CountFirst {
-		c, err = t.countFirst(ctx, d, c)
-		if err != nil {
-			return nil, contract.Claim{}, err
-		}
+	if d.CountFirst && t.counting {
+		rec = first.rec
 	}
+	rec.Counted = t.counted
+	c := contract.Decide(d, true, nil, rec)
 	if c.Decision != contract.Run {
 		// Not run after all (dead-lettered, exhausted, to run alone): nothing of this try is
-		// kept, and nothing was counted.
-		if err := t.end(ctx, t.rollback); err != nil {
+		// kept, and its count is taken back while the key's session lock is held.
+		if err := t.end(ctx, func(ctx context.Context) error {
+			err := t.rollback(ctx)
+			t.takeBack(ctx)
+			return err
+		}); err != nil {
 			return nil, contract.Claim{}, fmt.Errorf("pgstore: claim: roll back: %w", err)
 		}
 		return nil, c, nil
@@ -129,29 +162,122 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	t.attempts = c.Attempts + b2i(t.counted)
 	// Commit clears the key's attempt record when it may have one: one was read, this
 	// delivery counted, or the snapshot could have missed one.
-	t.dirty = t.counting && (t.counted || rec.Attempts > 0 || rec.LastError != "" || lvl != pgx.ReadCommitted)
+	t.dirty = t.counting && !d.CountFirst && (rec.Attempts > 0 || rec.LastError != "" || lvl != pgx.ReadCommitted)
 	t.iso = lvl
 	t.h = &handlerTx{Tx: t.tx}
 	return t, c, nil
 }
 
-// countFirst counts the claimed delivery's attempt before its handler runs (count.go), while
-// its claim holds the key's lock, so no copy of the message counts meanwhile.
-func (t *claimTx) countFirst(ctx context.Context, d contract.Delivery, c contract.Claim) (contract.Claim, error) {
-	n, err := t.s.counter.count(ctx, []inbox.Key{d.Key}, t.finish)
-	if err != nil {
-		// Still holding the key: a count that committed unseen is taken back first.
-		err = t.s.counter.undoUnknown(ctx, err, []inbox.Key{d.Key}, []time.Time{t.period}, []int{c.Attempts}, t.finish)
-		_ = t.end(ctx, t.rollback)
-		return c, fmt.Errorf("pgstore: count the attempt: %w", err)
+// countFirstResult is what queries/count_first.sql answered.
+type countFirstResult struct {
+	answered  bool            // the count statement's answer arrived
+	counted   bool            // one attempt was counted (and the key's session lock taken)
+	committed bool            // the count's transaction committed
+	rec       contract.Record // the key's record after the count
+}
+
+func (r *countFirstResult) scan(row pgx.Row) error {
+	var attempts int32
+	var lastError *string
+	err := row.Scan(&attempts, &lastError)
+	r.answered = err == nil || errors.Is(err, pgx.ErrNoRows)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
 	}
-	if n[0] < 0 {
-		// Dead-lettered since the record was read (not counted).
-		c.Decision = contract.DeadLettered
-		return c, nil
+	r.counted, r.rec.Attempts = err == nil, int(attempts)
+	if lastError != nil {
+		r.rec.LastError = *lastError
 	}
-	t.counted = true
-	return c, nil
+	return err
+}
+
+// notCounted ends a claim whose count_first.sql counted nothing, in one round trip: the
+// stored payload hash, ROLLBACK, the key's session lock released if this session took it
+// (queries/unlock_if_held.sql), the key's record. A stored row is a duplicate; a lock taken
+// means the key is dead-lettered (contract.Decide says so from the record); any other case is
+// a key held by a delivery in flight (errKeyHeld), including a claim that took the key's lock
+// after its count found it held: it is claimed again, to be counted before its handler.
+func (t *claimTx) notCounted(ctx context.Context, d contract.Delivery, claimed bool) (*claimTx, contract.Claim, error) {
+	s := t.s
+	var stored []byte
+	var at time.Time
+	held := false
+	var rec contract.Record
+	a := keyArgs(t.key, t.period)
+	err := t.end(ctx, func(ctx context.Context) error {
+		b := &pgx.Batch{}
+		if !claimed {
+			b.Queue(s.q.storedHash.sql, s.q.storedHash.args(a)...).QueryRow(func(row pgx.Row) error {
+				if err := s.scanHash(row, &stored, &at); !errors.Is(err, pgx.ErrNoRows) {
+					return err
+				}
+				return nil
+			})
+		}
+		b.Queue("rollback")
+		b.Queue(s.q.unlockIfHeld.sql, s.q.unlockIfHeld.args(&queryArgs{lockKey: t.lockKey})...).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&held)
+		})
+		b.Queue(s.q.record.sql, s.q.record.args(a)...).QueryRow(func(row pgx.Row) error {
+			return scanRecord(row, &rec)
+		})
+		if err := t.conn.Conn().SendBatch(ctx, b).Close(); err != nil {
+			// The key's session lock may be left with the connection: close it.
+			_ = t.conn.Conn().Close(ctx)
+			return fmt.Errorf("pgstore: claim: %w", err)
+		}
+		return nil
+	})
+	switch {
+	case err != nil:
+		return nil, contract.Claim{}, err
+	case stored != nil:
+		c := contract.Decide(d, false, stored, contract.Record{})
+		c.StoredAt = at
+		return nil, c, nil
+	case claimed && held && rec.DeadLettered:
+		return nil, contract.Decide(d, true, nil, rec), nil
+	}
+	return nil, contract.Claim{}, errKeyHeld
+}
+
+// takeBack takes back this delivery's count on the claim's own connection, once its
+// transaction has ended and while it holds the key's session lock (no copy counts meanwhile).
+// A count that cannot be taken back (the connection is gone, and the lock with it) stays: the
+// message has one attempt more than its handler runs (docs/design.md).
+func (t *claimTx) takeBack(ctx context.Context) {
+	if !t.counted || !t.session || t.conn.Conn().IsClosed() {
+		return
+	}
+	if _, err := t.s.record(ctx, t.conn, t.key, t.period, -1, ""); err == nil {
+		t.counted, t.countSent = false, false
+	}
+}
+
+// takeBackLost takes back the count of t's claim whose answer was lost with its connection:
+// it ends the server process that ran the claim's round trip (pg_terminate_backend, waiting up
+// to the finish timeout), so the count can no longer commit after this, then takes it back by
+// its token (queries/take_back_lost.sql) on a pool connection. pid is the process's. A copy that counted since then
+// changed the token: its count is left, and this one stays too (one attempt more than the
+// handler's runs, the cost of a crash at the same point).
+func (s *Store) takeBackLost(ctx context.Context, t *claimTx, pid uint32) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
+	defer cancel()
+	if _, err := s.pool.Exec(ctx, "SELECT pg_terminate_backend($1, $2)", int32(pid), t.finish.Milliseconds()); err != nil {
+		return fmt.Errorf("pgstore: end the server process of a lost claim: %w", err)
+	}
+	a := keyArgs(t.key, t.period)
+	a.countToken = t.countToken
+	q := s.q.takeBackLost
+	if _, err := s.pool.Exec(ctx, q.sql, q.args(a)...); err != nil {
+		return fmt.Errorf("pgstore: take back a lost count: %w", err)
+	}
+	return nil
+}
+
+// beginSQL is BEGIN at isolation level lvl.
+func beginSQL(lvl pgx.TxIsoLevel) string {
+	return "begin isolation level " + strings.ToLower(string(lvl))
 }
 
 // endDuplicate ends the transaction of a claim that inserted nothing, in one round trip: it
@@ -179,7 +305,11 @@ func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 		}
 		if err := t.conn.Conn().SendBatch(ctx, b).Close(); err != nil {
 			_, _ = t.conn.Exec(ctx, "rollback")
+			t.takeBack(ctx)
 			return fmt.Errorf("pgstore: claim: read stored payload hash: %w", err)
+		}
+		if held {
+			t.takeBack(ctx)
 		}
 		return nil
 	})
@@ -301,14 +431,17 @@ type claimTx struct {
 	period   time.Time // the claim's partition period (partitioned mode)
 	finish   time.Duration
 	counting bool // attempt counting (a dead-letter topic)
-	session  bool // may hold the key's session-level lock (claim.sql with .Session): end releases it
+	session  bool // holds the key's session-level lock (count_first.sql): end releases it
 	lockKey  string
 	counted  bool // this delivery was counted before its handler
-	attempts int  // the key's count with this delivery's own, as the claim found it
-	dirty    bool // the key may have an attempt record for Commit to clear
-	iso      pgx.TxIsoLevel
-	poisoned bool // a cancel request was sent on conn: close it rather than reuse it
-	ended    bool
+	// countSent: count_first.sql was sent, marked with countToken.
+	countSent  bool
+	countToken int64
+	attempts   int  // the key's count with this delivery's own, as the claim found it
+	dirty      bool // the key may have an attempt record for Commit to clear
+	iso        pgx.TxIsoLevel
+	poisoned   bool // a cancel request was sent on conn: close it rather than reuse it
+	ended      bool
 	// commitFailed: Commit ended the transaction without committing (or with an unknown
 	// outcome); Fail then records outside it.
 	commitFailed bool
@@ -517,6 +650,31 @@ func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 	errText := ""
 	if f.Counts {
 		errText = f.Error
+	}
+	if t.session && !t.ended {
+		// Counted first: the key's session lock outlives the rollback, so the record is
+		// written after it, on this connection (the claim's transaction held the record's row,
+		// cleared inside it).
+		var n int
+		var aerr error
+		rerr := t.end(ctx, func(ctx context.Context) error {
+			err := t.rollback(ctx)
+			var q querier = t.conn
+			if t.conn.Conn().IsClosed() {
+				// The connection is gone, and the key's lock and the transaction with it:
+				// record on another.
+				q, err = t.s.pool, nil
+			}
+			if err == nil {
+				n, aerr = t.s.record(ctx, q, t.key, t.period, delta, errText)
+			}
+			return err
+		})
+		if aerr != nil || rerr != nil {
+			return max(t.attempts+delta, 0), fmt.Errorf("pgstore: record the failure: %w", errors.Join(aerr, rerr))
+		}
+		t.attempts = n
+		return n, nil
 	}
 	n, aerr := t.s.counter.record(t.key, t.period, delta, errText, t.finish)
 	var rerr error

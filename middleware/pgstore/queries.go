@@ -31,7 +31,6 @@ type queryNames struct {
 	Table, Attempts, Consumers string
 	Compact, Partitioned       bool
 	Old                        string // the table a layout conversion copies from
-	Session                    bool   // claim.sql: the key's lock for the session
 }
 
 // query is one rendered statement: its SQL with positional parameters and the names of its
@@ -74,6 +73,7 @@ type queryArgs struct {
 	delta                      int32
 	lastError, reason          any // text or NULL
 	messageIDs, consumerNames  []string
+	countToken                 int64
 }
 
 // args returns a's values in q's parameter order.
@@ -105,6 +105,8 @@ func (q query) args(a *queryArgs) []any {
 			out[k] = a.messageIDs
 		case "consumer_names":
 			out[k] = a.consumerNames
+		case "count_token":
+			out[k] = a.countToken
 		default:
 			panic("pgstore: unknown query parameter @" + p) // a bug in an embedded file
 		}
@@ -117,7 +119,8 @@ type queries struct {
 	claim, record, storedHash, count, clearProcessed query
 	countFailure, settleCount, markDeadLettered      query
 	replay, dropClaim, registerConsumer              query
-	clearProcessedAsync, claimSession, unlock        query
+	clearProcessedAsync, countFirst, unlock          query
+	unlockIfHeld, takeBackLost                       query
 }
 
 func newQueries(n queryNames) queries {
@@ -128,8 +131,10 @@ func newQueries(n queryNames) queries {
 		count:               renderQuery("count", n),
 		clearProcessed:      renderQuery("clear_processed", n),
 		clearProcessedAsync: renderQuery("clear_processed_async", n),
-		claimSession:        renderQuery("claim", withSession(n)),
+		countFirst:          renderQuery("count_first", n),
 		unlock:              renderQuery("unlock", n),
+		unlockIfHeld:        renderQuery("unlock_if_held", n),
+		takeBackLost:        renderQuery("take_back_lost", n),
 		countFailure:        renderQuery("count_failure", n),
 		settleCount:         renderQuery("settle_count", n),
 		markDeadLettered:    renderQuery("mark_dead_lettered", n),
@@ -137,9 +142,4 @@ func newQueries(n queryNames) queries {
 		dropClaim:           renderQuery("drop_claim", n),
 		registerConsumer:    renderQuery("register_consumer", n),
 	}
-}
-
-func withSession(n queryNames) queryNames {
-	n.Session = true
-	return n
 }

@@ -1,3 +1,3 @@
--- Releases the session-level lock of a claim counted before its handler (claim.sql with
--- .Session), once its transaction has ended.
+-- Releases the key's session-level lock taken by count_first.sql, once the delivery's claim
+-- transaction has ended and its count is settled.
 SELECT pg_advisory_unlock(hashtextextended(@lock_key, 0))
