@@ -77,58 +77,13 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	}
 	t := &claimTx{s: s, conn: conn, key: d.Key, period: period, finish: finishTimeout(d.FinishTimeout), counting: d.MaxAttempts > 0}
 	t.lockKey = s.lockKey(d.Key)
-	b := &pgx.Batch{}
-	first := countFirstResult{}
-	if t.counting && d.CountFirst {
-		// The count's own transaction, then the claim's, in the same round trip.
-		b.BeginTx(pgx.TxOptions{})
-		b.Queue("set local synchronous_commit = off")
-		a := s.claimArgs(d, period)
-		a.countToken = rand.Int64()
-		t.countToken, t.countSent = a.countToken, true
-		b.Queue(s.q.countFirst.sql, s.q.countFirst.args(a)...).QueryRow(first.scan)
-		b.Queue("commit").Exec(func(pgconn.CommandTag) error { first.committed = true; return nil })
-		b.Queue(beginSQL(lvl))
-	} else {
-		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
-	}
-	s.queueTimeouts(b)
-	claimed := false
-	b.Queue(s.q.claim.sql, s.q.claim.args(s.claimArgs(d, period))...).Exec(func(ct pgconn.CommandTag) error {
-		claimed = ct.RowsAffected() == 1
-		return nil
-	})
-	var rec contract.Record
-	switch {
-	case t.counting && d.CountFirst:
-		// The count made, the record it returned is the key's: clear it now, inside the claim's
-		// transaction, so that it is gone if and only if the claim commits (the handler ran
-		// to its end); a rollback or a crash keeps the count.
-		b.Queue(s.q.clearProcessed.sql, s.q.clearProcessed.args(keyArgs(d.Key, period))...)
-	case t.counting:
-		b.Queue(s.q.record.sql, s.q.record.args(keyArgs(d.Key, period))...).QueryRow(func(row pgx.Row) error {
-			return scanRecord(row, &rec)
-		})
-	}
+	b, ans := s.claimBatch(t, d, lvl)
 	err = s.sendClaim(ctx, conn, b, t)
+	first, claimed, rec := ans.first, ans.claimed, ans.rec
 	t.counted = first.committed && first.counted
 	t.session = t.counted
 	if err != nil {
-		// A count that may have committed unseen (the answer was lost with the connection)
-		// is taken back by its token.
-		lost := t.countSent && t.conn.Conn().IsClosed() && !(first.answered && !first.counted)
-		pid := t.conn.Conn().PgConn().PID()
-		_ = t.end(ctx, func(ctx context.Context) error {
-			_, _ = t.conn.Exec(ctx, "rollback")
-			t.takeBack(ctx)
-			return nil
-		})
-		if lost {
-			if lerr := s.takeBackLost(ctx, t, pid); lerr != nil {
-				err = errors.Join(err, lerr)
-			}
-		}
-		return nil, contract.Claim{}, fmt.Errorf("pgstore: claim: %w", s.wrapNoPartition(err, period))
+		return nil, contract.Claim{}, s.failedClaim(ctx, t, first, err)
 	}
 	if d.CountFirst && t.counting && !t.counted {
 		return t.notCounted(ctx, d, claimed)
@@ -166,6 +121,76 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	t.iso = lvl
 	t.h = &handlerTx{Tx: t.tx}
 	return t, c, nil
+}
+
+// claimAnswers are what the claim's round trip answered.
+type claimAnswers struct {
+	first   countFirstResult
+	claimed bool            // the claim inserted the key
+	rec     contract.Record // the key's attempt record (counting, not counted first)
+}
+
+// claimBatch is the claim's round trip for d, whose answers go to the returned claimAnswers:
+//
+//	BEGIN ISOLATION LEVEL ...; [the local timeouts;] queries/claim.sql; [queries/record.sql]
+//
+// and for a delivery that counts first, the count's own transaction ahead of it, and the
+// clean-up of its count inside the claim's:
+//
+//	BEGIN; SET LOCAL synchronous_commit = off; queries/count_first.sql; COMMIT;
+//	BEGIN ISOLATION LEVEL ...; [the local timeouts;] queries/claim.sql; queries/clear_counted.sql
+func (s *Store) claimBatch(t *claimTx, d contract.Delivery, lvl pgx.TxIsoLevel) (*pgx.Batch, *claimAnswers) {
+	ans := &claimAnswers{}
+	b := &pgx.Batch{}
+	countFirst := t.counting && d.CountFirst
+	if countFirst {
+		b.BeginTx(pgx.TxOptions{})
+		b.Queue("set local synchronous_commit = off")
+		a := s.claimArgs(d, t.period)
+		a.countToken = rand.Int64()
+		t.countToken, t.countSent = a.countToken, true
+		b.Queue(s.q.countFirst.sql, s.q.countFirst.args(a)...).QueryRow(ans.first.scan)
+		b.Queue("commit").Exec(func(pgconn.CommandTag) error { ans.first.committed = true; return nil })
+		b.Queue(beginSQL(lvl))
+	} else {
+		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
+	}
+	s.queueTimeouts(b)
+	b.Queue(s.q.claim.sql, s.q.claim.args(s.claimArgs(d, t.period))...).Exec(func(ct pgconn.CommandTag) error {
+		ans.claimed = ct.RowsAffected() == 1
+		return nil
+	})
+	switch {
+	case countFirst:
+		a := keyArgs(d.Key, t.period)
+		a.countToken = t.countToken
+		b.Queue(s.q.clearCounted.sql, s.q.clearCounted.args(a)...)
+	case t.counting:
+		b.Queue(s.q.record.sql, s.q.record.args(keyArgs(d.Key, t.period))...).QueryRow(func(row pgx.Row) error {
+			return scanRecord(row, &ans.rec)
+		})
+	}
+	return b, ans
+}
+
+// failedClaim ends t after its round trip failed with err, leaving nothing open and nothing
+// counted: a count whose answer arrived is taken back on the connection, one that may have
+// committed unseen (the answer was lost with the connection) by its token. It returns err,
+// wrapped.
+func (s *Store) failedClaim(ctx context.Context, t *claimTx, first countFirstResult, err error) error {
+	lost := t.countSent && t.conn.Conn().IsClosed() && !(first.answered && !first.counted)
+	pid := t.conn.Conn().PgConn().PID()
+	_ = t.end(ctx, func(ctx context.Context) error {
+		_, _ = t.conn.Exec(ctx, "rollback")
+		t.takeBack(ctx)
+		return nil
+	})
+	if lost {
+		if lerr := s.takeBackLost(ctx, t, pid); lerr != nil {
+			err = errors.Join(err, lerr)
+		}
+	}
+	return fmt.Errorf("pgstore: claim: %w", s.wrapNoPartition(err, t.period))
 }
 
 // countFirstResult is what queries/count_first.sql answered.

@@ -120,7 +120,7 @@ type queries struct {
 	countFailure, settleCount, markDeadLettered      query
 	replay, dropClaim, registerConsumer              query
 	clearProcessedAsync, countFirst, unlock          query
-	unlockIfHeld, takeBackLost                       query
+	unlockIfHeld, takeBackLost, clearCounted         query
 }
 
 func newQueries(n queryNames) queries {
@@ -135,6 +135,7 @@ func newQueries(n queryNames) queries {
 		unlock:              renderQuery("unlock", n),
 		unlockIfHeld:        renderQuery("unlock_if_held", n),
 		takeBackLost:        renderQuery("take_back_lost", n),
+		clearCounted:        renderQuery("clear_counted", n),
 		countFailure:        renderQuery("count_failure", n),
 		settleCount:         renderQuery("settle_count", n),
 		markDeadLettered:    renderQuery("mark_dead_lettered", n),
