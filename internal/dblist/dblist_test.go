@@ -13,12 +13,12 @@ func TestLabel(t *testing.T) {
 	t.Setenv("PGPORT", "")
 	t.Setenv("PGDATABASE", "")
 	for conn, want := range map[string]string{
-		"postgres://app:Hunter2pw@db1.internal:6432/billing?sslmode=disable": "db1.internal:6432/billing",
-		"postgresql://app@db1.internal/billing":                              "db1.internal:5432/billing",
-		"postgres://app:Hunter2pw@[::1]:5433/t":                              "[::1]:5433/t",
-		"postgres://app@h1:5432,h2:5433/shard_2?sslmode=prefer":              "h1:5432,h2:5433/shard_2",
+		"postgres://app:Hunter2pw@db1.internal:6432/billing?sslmode=disable":  "db1.internal:6432/billing",
+		"postgresql://app@db1.internal/billing":                               "db1.internal:5432/billing",
+		"postgres://app:Hunter2pw@[::1]:5433/t":                               "[::1]:5433/t",
+		"postgres://app@h1:5432,h2:5433/shard_2?sslmode=prefer":               "h1:5432,h2:5433/shard_2",
 		"host=10.0.0.7 port=5434 dbname=tenant_a user=app password=Hunter2pw": "10.0.0.7:5434/tenant_a",
-		"postgres://app@127.0.0.1:5432/a%0Ab":                                `"127.0.0.1:5432/a\nb"`,
+		"postgres://app@127.0.0.1:5432/a%0Ab":                                 `"127.0.0.1:5432/a\nb"`,
 	} {
 		got, ok := Label(conn)
 		if !ok || got != want {
