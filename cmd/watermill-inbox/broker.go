@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
@@ -58,8 +59,9 @@ func (b *brokerFlags) migrate(cmd *cobra.Command, pool *pgxpool.Pool) error {
 	return nil
 }
 
-// grants writes the topic tables' GRANT statements (postgres.GrantSQL), if any topic was given.
-func (b *brokerFlags) grants(cmd *cobra.Command, role string) error {
+// grants writes the topic tables' GRANT statements (postgres.GrantSQL) to w, if any topic
+// was given.
+func (b *brokerFlags) grants(w io.Writer, role string) error {
 	if len(b.topics) == 0 {
 		return nil
 	}
@@ -67,6 +69,6 @@ func (b *brokerFlags) grants(cmd *cobra.Command, role string) error {
 	if err != nil {
 		return err
 	}
-	_, err = fmt.Fprint(cmd.OutOrStdout(), script)
+	_, err = fmt.Fprint(w, script)
 	return err
 }

@@ -96,18 +96,24 @@ func deadListCmd() *cobra.Command {
 				return err
 			}
 			filter.Limit = limit
-			store, pool, err := f.connect(cmd.Context(), pgstore.Config{})
-			if err != nil {
-				return err
+			show := block
+			if asJSON {
+				show = jsonLines
 			}
-			defer pool.Close()
-			if records {
-				return listDeadRecords(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), store, filter, asJSON)
-			}
-			return listDeadReasons(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), store, filter, asJSON)
+			return f.each(cmd, pgstore.Config{}, show, func(cmd *cobra.Command, url string) error {
+				store, pool, err := f.connect(cmd.Context(), url, pgstore.Config{})
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				if records {
+					return listDeadRecords(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), store, filter, asJSON)
+				}
+				return listDeadReasons(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), store, filter, asJSON)
+			})
 		},
 	}
-	f.register(cmd)
+	f.registerMany(cmd)
 	sel.register(cmd, "only this consumer")
 	cmd.Flags().IntVar(&limit, "limit", 1000, "at most this many groups (with --records: records) (0: no limit)")
 	cmd.Flags().BoolVar(&records, "records", false, "list each dead-lettered record, oldest first, instead of the groups")
@@ -211,52 +217,61 @@ func deadReplayCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			store, pool, err := f.connect(cmd.Context(), pgstore.Config{})
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: sel.consumer}, nil)
-			if err != nil {
-				return usageError{err}
-			}
-			w := cmd.OutOrStdout()
-			if dryRun {
-				return printDryRun(cmd.Context(), w, store, filter, "clear")
-			}
-			keys := args
-			if len(args) == 0 {
-				recs, err := store.DeadLetters(cmd.Context(), filter)
+			return f.each(cmd, pgstore.Config{}, oneLine, func(cmd *cobra.Command, url string) error {
+				store, pool, err := f.connect(cmd.Context(), url, pgstore.Config{})
 				if err != nil {
 					return err
 				}
-				for _, r := range recs {
-					keys = append(keys, r.MessageID)
-				}
-			}
-			n := 0
-			for _, k := range keys {
-				ok, err := ib.Replay(cmd.Context(), k)
-				if err != nil {
-					return fmt.Errorf("replay %q: %w (%d cleared before it)", k, err, n)
-				}
-				if !ok {
-					if len(args) == 1 {
-						return fmt.Errorf("replay %q: %w", k, inbox.ErrNotDeadLettered)
-					}
-					continue // replayed meanwhile, or processed since
-				}
-				n++
-				fmt.Fprintf(w, "cleared %q\n", k)
-			}
-			fmt.Fprintf(w, "%d cleared for consumer %q: republish them from the dead-letter topic (or let the broker redeliver)\n", n, sel.consumer)
-			return nil
+				defer pool.Close()
+				return replayDead(cmd, store, filter, args, dryRun)
+			})
 		},
 	}
-	f.register(cmd)
+	f.registerMany(cmd)
 	sel.register(cmd, "the consumer name (required)")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be cleared, by reason; change nothing")
 	return cmd
+}
+
+// replayDead clears the dead-lettered state of the key args names, or of those filter
+// selects (only printing them by reason with dryRun), and prints each cleared key and their
+// number. A named key that is not dead-lettered is inbox.ErrNotDeadLettered.
+func replayDead(cmd *cobra.Command, store *pgstore.Store, filter pgstore.DeadLetterFilter, args []string, dryRun bool) error {
+	ib, err := inbox.New(inbox.Config{Store: store, ConsumerName: filter.ConsumerName}, nil)
+	if err != nil {
+		return usageError{err}
+	}
+	w := cmd.OutOrStdout()
+	if dryRun {
+		return printDryRun(cmd.Context(), w, store, filter, "clear")
+	}
+	keys := args
+	if len(args) == 0 {
+		recs, err := store.DeadLetters(cmd.Context(), filter)
+		if err != nil {
+			return err
+		}
+		for _, r := range recs {
+			keys = append(keys, r.MessageID)
+		}
+	}
+	n := 0
+	for _, k := range keys {
+		ok, err := ib.Replay(cmd.Context(), k)
+		if err != nil {
+			return fmt.Errorf("replay %q: %w (%d cleared before it)", k, err, n)
+		}
+		if !ok {
+			if len(args) == 1 {
+				return fmt.Errorf("replay %q: %w", k, inbox.ErrNotDeadLettered)
+			}
+			continue // replayed meanwhile, or processed since
+		}
+		n++
+		fmt.Fprintf(w, "cleared %q\n", k)
+	}
+	fmt.Fprintf(w, "%d cleared for consumer %q: republish them from the dead-letter topic (or let the broker redeliver)\n", n, filter.ConsumerName)
+	return nil
 }
 
 func deadDiscardCmd() *cobra.Command {
@@ -279,27 +294,29 @@ func deadDiscardCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			store, pool, err := f.connect(cmd.Context(), pgstore.Config{})
-			if err != nil {
+			return f.each(cmd, pgstore.Config{}, oneLine, func(cmd *cobra.Command, url string) error {
+				store, pool, err := f.connect(cmd.Context(), url, pgstore.Config{})
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				w := cmd.OutOrStdout()
+				if dryRun {
+					return printDryRun(cmd.Context(), w, store, filter, "discard")
+				}
+				n, err := store.DiscardDeadLetters(cmd.Context(), filter)
+				if err != nil {
+					return fmt.Errorf("%w (%d discarded before the error)", err, n)
+				}
+				if len(args) == 1 && n == 0 {
+					return fmt.Errorf("discard %q: %w", args[0], inbox.ErrNotDeadLettered)
+				}
+				_, err = fmt.Fprintf(w, "%d discarded for consumer %q\n", n, sel.consumer)
 				return err
-			}
-			defer pool.Close()
-			w := cmd.OutOrStdout()
-			if dryRun {
-				return printDryRun(cmd.Context(), w, store, filter, "discard")
-			}
-			n, err := store.DiscardDeadLetters(cmd.Context(), filter)
-			if err != nil {
-				return fmt.Errorf("%w (%d discarded before the error)", err, n)
-			}
-			if len(args) == 1 && n == 0 {
-				return fmt.Errorf("discard %q: %w", args[0], inbox.ErrNotDeadLettered)
-			}
-			_, err = fmt.Fprintf(w, "%d discarded for consumer %q\n", n, sel.consumer)
-			return err
+			})
 		},
 	}
-	f.register(cmd)
+	f.registerMany(cmd)
 	sel.register(cmd, "the consumer name (required)")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be discarded, by reason; change nothing")
 	return cmd

@@ -30,9 +30,12 @@ func (e usageError) Unwrap() error { return e.err }
 // exitCode maps a command's error to the process exit status.
 func exitCode(err error) int {
 	var u usageError
+	var many *databasesError
 	switch {
 	case err == nil:
 		return exitOK
+	case errors.As(err, &many):
+		return many.code
 	case errors.As(err, &u), errors.Is(err, inbox.ErrInvalidConfig),
 		strings.HasPrefix(err.Error(), "unknown command"), strings.HasPrefix(err.Error(), "unknown flag"):
 		return exitUsage

@@ -19,8 +19,9 @@ var databaseURLEnv = []string{"INBOX_DATABASE_URL", "DATABASE_URL"}
 //     runs (pgstore.ValidateGrantObject: no pg_ prefix, no information_schema), a usage
 //     error;
 //   - every error it returns, its flag and argument errors included, has the secrets of every
-//     connection string in reach (its --database-url, INBOX_DATABASE_URL, DATABASE_URL,
-//     PGPASSWORD, PGSSLPASSWORD) masked by redact.Conn before cobra prints it.
+//     connection string in reach (each --database-url, INBOX_DATABASE_URL, DATABASE_URL,
+//     PGPASSWORD, PGSSLPASSWORD) masked by redact.Conn before cobra prints it (the URLs of a
+//     --databases-file are masked where they are used, by eachDatabase).
 func guard(root *cobra.Command) {
 	root.PersistentPreRunE = func(cmd *cobra.Command, _ []string) error {
 		for _, name := range []string{"schema", "table", "deferred-table"} {
@@ -57,20 +58,27 @@ func guard(root *cobra.Command) {
 	walk(root)
 }
 
-// mask is redact.ConnErr with the connection strings in reach of cmd; a usageError stays one.
-func mask(cmd *cobra.Command, err error) error {
+// mask is redact.ConnErr with the connection strings in reach of cmd (each --database-url)
+// and extra (those of a --databases-file); a usageError stays one.
+func mask(cmd *cobra.Command, err error, extra ...string) error {
 	if err == nil {
 		return nil
 	}
-	conns := make([]string, 0, 3)
+	conns := make([]string, 0, 3+len(extra))
 	for _, e := range databaseURLEnv {
 		conns = append(conns, os.Getenv(e))
 	}
 	cmd.Flags().VisitAll(func(f *pflag.Flag) {
-		if f.Name == "database-url" {
+		if f.Name != "database-url" {
+			return
+		}
+		if s, ok := f.Value.(pflag.SliceValue); ok {
+			conns = append(conns, s.GetSlice()...)
+		} else {
 			conns = append(conns, f.Value.String())
 		}
 	})
+	conns = append(conns, extra...)
 	if u, ok := err.(usageError); ok {
 		return usageError{redact.ConnErr(u.err, conns...)}
 	}

@@ -48,20 +48,30 @@ func (v days) Set(s string) error {
 
 func (days) Type() string { return "duration" }
 
-// connect validates the store configuration, then opens a small pool, pings it and reads the
-// existing table's layout (pgstore.DetectLayout), which it sets in the store's Config. Invalid
-// names or windows and a missing URL are usage errors, reported before connecting.
-func (f *storeFlags) connect(ctx context.Context, cfg pgstore.Config) (*pgstore.Store, *pgxpool.Pool, error) {
+// check returns cfg with the flags' schema and table, or a usage error for invalid names or
+// an invalid retention window.
+func (f *storeFlags) check(cfg pgstore.Config) (pgstore.Config, error) {
 	cfg.Schema, cfg.Table = f.schema, f.table
 	if _, err := pgstore.MigrationSQL(cfg); err != nil {
-		return nil, nil, usageError{err}
+		return cfg, usageError{err}
 	}
 	if cfg.Retention != (inbox.Retention{}) {
 		if err := cfg.Retention.Validate(); err != nil {
-			return nil, nil, usageError{err}
+			return cfg, usageError{err}
 		}
 	}
-	url := f.url()
+	return cfg, nil
+}
+
+// connect validates the store configuration (check), then opens a small pool on url, pings
+// it and reads the existing table's layout (pgstore.DetectLayout), which it sets in the
+// store's Config. Invalid names or windows and a missing URL are usage errors, reported
+// before connecting.
+func (f *storeFlags) connect(ctx context.Context, url string, cfg pgstore.Config) (*pgstore.Store, *pgxpool.Pool, error) {
+	cfg, err := f.check(cfg)
+	if err != nil {
+		return nil, nil, err
+	}
 	if url == "" {
 		return nil, nil, usageError{fmt.Errorf("no database URL: pass --database-url or set INBOX_DATABASE_URL")}
 	}
@@ -115,15 +125,17 @@ func purgeCmd() *cobra.Command {
 			if err := pf.check(); err != nil {
 				return err
 			}
-			store, pool, err := f.connect(cmd.Context(), pgstore.Config{Retention: pf.r})
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			return pf.run(cmd, store, store.PurgeExpired)
+			return f.each(cmd, pgstore.Config{Retention: pf.r}, oneLine, func(cmd *cobra.Command, url string) error {
+				store, pool, err := f.connect(cmd.Context(), url, pgstore.Config{Retention: pf.r})
+				if err != nil {
+					return err
+				}
+				defer pool.Close()
+				return pf.run(cmd, store, store.PurgeExpired)
+			})
 		},
 	}
-	f.register(cmd)
+	f.registerMany(cmd)
 	pf.register(cmd, "processed rows")
 	cmd.Flags().Var(days{&pf.r.DeadLetterWindow}, "dead-letter-window", "how long dead-lettered records are kept (default 30d, at least --window)")
 	return cmd

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"sort"
 	"time"
 
@@ -29,60 +30,71 @@ func statsCmd() *cobra.Command {
 			if limit < 0 {
 				return usageError{fmt.Errorf("--limit %d: want 0 (all) or more", limit)}
 			}
-			store, pool, err := f.connect(cmd.Context(), pgstore.Config{})
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			st, err := store.Stats(cmd.Context())
-			if err != nil {
-				return err
-			}
-			w := cmd.OutOrStdout()
-			names, others, otherRows := topConsumers(st.PerConsumer, limit)
+			show := block
 			if asJSON {
-				shown := make(map[string]int64, len(names))
-				for _, n := range names {
-					shown[n] = st.PerConsumer[n]
+				show = jsonLines
+			}
+			return f.each(cmd, pgstore.Config{}, show, func(cmd *cobra.Command, url string) error {
+				store, pool, err := f.connect(cmd.Context(), url, pgstore.Config{})
+				if err != nil {
+					return err
 				}
-				st.PerConsumer = shown
-				enc := json.NewEncoder(w)
-				enc.SetIndent("", "  ")
-				return enc.Encode(struct {
-					pgstore.TableStats
-					OtherConsumers    int   `json:"other_consumers"`
-					OtherConsumerRows int64 `json:"other_consumer_rows"`
-				}{st, others, otherRows})
-			}
-			ts := func(t *time.Time) string {
-				if t == nil {
-					return "-"
+				defer pool.Close()
+				st, err := store.Stats(cmd.Context())
+				if err != nil {
+					return err
 				}
-				return t.UTC().Format(time.RFC3339)
-			}
-			fmt.Fprintf(w, "table            %s\n", st.Table)
-			fmt.Fprintf(w, "rows             %d\n", st.Rows)
-			fmt.Fprintf(w, "heap bytes       %d\n", st.HeapBytes)
-			fmt.Fprintf(w, "index bytes      %d\n", st.IndexBytes)
-			fmt.Fprintf(w, "bytes per row    %.1f\n", st.BytesPerRow)
-			fmt.Fprintf(w, "oldest           %s\n", ts(st.Oldest))
-			fmt.Fprintf(w, "newest           %s\n", ts(st.Newest))
-			for _, n := range names {
-				fmt.Fprintf(w, "consumer         %q: %d rows\n", n, st.PerConsumer[n])
-			}
-			if others > 0 {
-				fmt.Fprintf(w, "other consumers  %d: %d rows (--limit %d shows more)\n", others, otherRows, limit)
-			}
-			fmt.Fprintf(w, "attempts table   %s (%d heap bytes, %d index bytes)\n", st.AttemptsTable, st.AttemptsHeapBytes, st.AttemptsIndexBytes)
-			fmt.Fprintf(w, "attempts pending %d\n", st.AttemptsPending)
-			fmt.Fprintf(w, "dead-lettered    %d\n", st.DeadLettered)
-			return nil
+				return printStats(cmd.OutOrStdout(), st, limit, asJSON)
+			})
 		},
 	}
-	f.register(cmd)
+	f.registerMany(cmd)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print one JSON object")
 	cmd.Flags().IntVar(&limit, "limit", defaultStatsLimit, "list at most this many consumers, those with the most rows (0: all)")
 	return cmd
+}
+
+// printStats prints st as text, or as one JSON object, with the limit consumers that have
+// the most rows (topConsumers) and the others summed.
+func printStats(w io.Writer, st pgstore.TableStats, limit int, asJSON bool) error {
+	names, others, otherRows := topConsumers(st.PerConsumer, limit)
+	if asJSON {
+		shown := make(map[string]int64, len(names))
+		for _, n := range names {
+			shown[n] = st.PerConsumer[n]
+		}
+		st.PerConsumer = shown
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(struct {
+			pgstore.TableStats
+			OtherConsumers    int   `json:"other_consumers"`
+			OtherConsumerRows int64 `json:"other_consumer_rows"`
+		}{st, others, otherRows})
+	}
+	ts := func(t *time.Time) string {
+		if t == nil {
+			return "-"
+		}
+		return t.UTC().Format(time.RFC3339)
+	}
+	fmt.Fprintf(w, "table            %s\n", st.Table)
+	fmt.Fprintf(w, "rows             %d\n", st.Rows)
+	fmt.Fprintf(w, "heap bytes       %d\n", st.HeapBytes)
+	fmt.Fprintf(w, "index bytes      %d\n", st.IndexBytes)
+	fmt.Fprintf(w, "bytes per row    %.1f\n", st.BytesPerRow)
+	fmt.Fprintf(w, "oldest           %s\n", ts(st.Oldest))
+	fmt.Fprintf(w, "newest           %s\n", ts(st.Newest))
+	for _, n := range names {
+		fmt.Fprintf(w, "consumer         %q: %d rows\n", n, st.PerConsumer[n])
+	}
+	if others > 0 {
+		fmt.Fprintf(w, "other consumers  %d: %d rows (--limit %d shows more)\n", others, otherRows, limit)
+	}
+	fmt.Fprintf(w, "attempts table   %s (%d heap bytes, %d index bytes)\n", st.AttemptsTable, st.AttemptsHeapBytes, st.AttemptsIndexBytes)
+	fmt.Fprintf(w, "attempts pending %d\n", st.AttemptsPending)
+	fmt.Fprintf(w, "dead-lettered    %d\n", st.DeadLettered)
+	return nil
 }
 
 // defaultStatsLimit is the number of consumers `stats` lists by default.
