@@ -94,8 +94,9 @@ bench-cost:
 	$(GO) test ./middleware/inbox -run '^$$' -bench 'InboxVsBareTx/deliveries=8$$' -benchtime 3000x -cpuprofile cpu.out -o inbox.test
 	$(GO) tool pprof -top -nodecount 30 inbox.test cpu.out
 
-## bench-stp: store-then-process against River (a unique job per message, worked by River's
-## workers), with the immediate inbox as the reference row, at 1, 8, 32 and 128 deliveries.
+## bench-stp: store-then-process (middleware/deferred) against River (a unique job per message,
+## worked by River's workers), with the immediate inbox as the reference row, at 1, 8, 32 and
+## 128 deliveries: msg/s, ratio-deferred-river, end-to-end p50/p99 of both.
 bench-stp:
 	cd tests/bench && $(GO) test . -run '^$$' -bench StoreThenProcess -benchtime 1000x -count 3
 

@@ -3,11 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"regexp"
 	"strings"
 	"testing"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 )
+
+// appliedAll matches migrate's report of a new table's migrations: 1, 2, 3 and every later one.
+var appliedAll = regexp.MustCompile(`applied migrations \[1 2 3( \d+)*\]`)
 
 func run(t *testing.T, args ...string) (string, error) {
 	t.Helper()
@@ -23,7 +27,7 @@ func run(t *testing.T, args ...string) (string, error) {
 func TestMigrateAppliesOnceThenIsUpToDate(t *testing.T) {
 	sch := testenv.NewSchema(t, 1)
 	out, err := run(t, "migrate", "--database-url", testenv.DatabaseURL(), "--schema", sch.Name, "--table", "ops_inbox")
-	if err != nil || !strings.Contains(out, "applied migrations [1 2 3 4]") {
+	if err != nil || !appliedAll.MatchString(out) {
 		t.Fatalf("first migrate: %v\n%s", err, out)
 	}
 	out, err = run(t, "migrate", "--database-url", testenv.DatabaseURL(), "--schema", sch.Name, "--table", "ops_inbox")

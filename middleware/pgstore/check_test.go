@@ -26,8 +26,8 @@ func TestCheckSchemaNamesWhatIsMissingOrPending(t *testing.T) {
 	if !errors.As(err, &serr) || !errors.Is(err, pgstore.ErrSchemaNotCurrent) {
 		t.Fatalf("CheckSchema before Migrate: %v, want a *SchemaError", err)
 	}
-	if len(serr.Missing) != 3 || len(serr.Pending) != len(ms) {
-		t.Fatalf("missing %v, pending %v; want 3 tables and %d migrations", serr.Missing, serr.Pending, len(ms))
+	if len(serr.Missing) != 4 || len(serr.Pending) != len(ms) {
+		t.Fatalf("missing %v, pending %v; want 4 tables (inbox, attempts, duplicate ages, versions) and %d migrations", serr.Missing, serr.Pending, len(ms))
 	}
 	var exists bool
 	if err := sch.Pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", s.Table()).Scan(&exists); err != nil || exists {

@@ -306,9 +306,11 @@ func beginSQL(lvl pgx.TxIsoLevel) string {
 }
 
 // endDuplicate ends the transaction of a claim that inserted nothing, in one round trip: it
-// reads the stored payload hash, rolls back and, with counting, deletes the key's stale
-// attempt record (the key is processed). No stored row means the key's lock was held by a
-// delivery in flight: errKeyHeld, and the record is left alone (the delete checks the row).
+// reads the stored payload hash, rolls back, with counting deletes the key's stale attempt
+// record (the key is processed), and adds the stored row's age to the consumer's duplicate-age
+// histogram (queries/duplicate_age.sql; the two commit asynchronously). No stored row means the
+// key's lock was held by a delivery in flight: errKeyHeld, and the record and the histogram are
+// left alone (both statements check the row).
 func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 	s := t.s
 	var stored []byte
@@ -328,6 +330,7 @@ func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 		if t.counting {
 			b.Queue(s.q.clearProcessed.sql, s.q.clearProcessed.args(keyArgs(t.key, t.period))...)
 		}
+		b.Queue(s.q.duplicateAge.sql, s.q.duplicateAge.args(keyArgs(t.key, t.period))...)
 		if err := t.conn.Conn().SendBatch(ctx, b).Close(); err != nil {
 			_, _ = t.conn.Exec(ctx, "rollback")
 			t.takeBack(ctx)

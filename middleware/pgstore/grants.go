@@ -18,6 +18,8 @@ import (
 //     NOTHING), the stored payload hash of a duplicate (SELECT), Purge (DELETE);
 //   - SELECT, INSERT, UPDATE, DELETE on the attempts table: the durable attempt count
 //     (INSERT ... DO UPDATE), dead-letter marks, Replay;
+//   - SELECT, INSERT, UPDATE on the duplicate-age histogram: a duplicate's age (INSERT ... DO
+//     UPDATE), Stats;
 //   - SELECT on the version table: CheckSchema, and Migrate when nothing is pending;
 //   - in the compact layout (cfg.Layout), SELECT, INSERT on the consumers table: a consumer
 //     name is registered by its first claim.
@@ -51,6 +53,7 @@ func GrantSQL(cfg Config, role string) (string, error) {
 	fmt.Fprintf(&b, "GRANT USAGE ON SCHEMA %s TO %s;\n", pgx.Identifier{s.cfg.Schema}.Sanitize(), r)
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE ON %s TO %s;\n", s.table, r)
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;\n", s.attempts, r)
+	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE ON %s TO %s;\n", s.duplicateAges, r)
 	fmt.Fprintf(&b, "GRANT SELECT ON %s TO %s;\n", s.versions, r)
 	if s.cfg.Partitioning != nil {
 		// Reads and writes go through the parent, whose grants cover its partitions.

@@ -669,8 +669,8 @@ func TestMigrationCompactRowV2(t *testing.T) {
 			v1.insert(t, id, h, "now() - $4::interval", []string{"5 hours", "1 hour", "0 seconds"}[i])
 		}
 		applied, err := s.Migrate(ctx)
-		if err != nil || len(applied) != 1 || applied[0] != 3 {
-			t.Fatalf("Migrate over a first-version compact table: applied %v, %v; want [3]", applied, err)
+		if err != nil || len(applied) == 0 || applied[0] != 3 || len(applied) != latestMigration(t, s)-2 {
+			t.Fatalf("Migrate over a first-version compact table: applied %v, %v; want 3 to %d", applied, err, latestMigration(t, s))
 		}
 		var rows, width int
 		if err := sch.Pool.QueryRow(ctx, "SELECT count(*), max(pg_column_size(t.*)) FROM "+s.Table()+" t").Scan(&rows, &width); err != nil {
@@ -773,4 +773,14 @@ func (v firstVersionCompact) insert(t *testing.T, id string, hash [32]byte, rece
 		cols, vals, args = cols+", period", vals+", $5", append(args, pgstore.PeriodOf(v.now, pgstore.PartitionDaily))
 	}
 	v.sch.Exec(t, "INSERT INTO "+v.s.Table()+" ("+cols+") VALUES ("+vals+")", args...)
+}
+
+// latestMigration is the version of s's last migration.
+func latestMigration(t *testing.T, s *pgstore.Store) int {
+	t.Helper()
+	ms, err := s.Migrations()
+	if err != nil || len(ms) == 0 {
+		t.Fatalf("migrations: %v", err)
+	}
+	return ms[len(ms)-1].Version
 }

@@ -35,6 +35,7 @@ type migrationNames struct {
 	Attempts          string
 	AttemptsDeadIndex string
 	Consumers         string
+	DuplicateAges     string
 	Compact           bool
 	Partitioned       bool
 }
@@ -54,12 +55,13 @@ func (s *Store) migrations() migrate.Set {
 			Attempts:          s.attempts,
 			AttemptsDeadIndex: pgx.Identifier{s.cfg.Table + "_dead_idx"}.Sanitize(),
 			Consumers:         s.consumers,
+			DuplicateAges:     s.duplicateAges,
 			Compact:           s.cfg.Layout == LayoutCompact,
 			Partitioned:       s.cfg.Partitioning != nil,
 		},
 		Schema: s.cfg.Schema,
 		Table:  s.table,
-		Tables: []string{s.table, s.attempts},
+		Tables: []string{s.table, s.attempts, s.duplicateAges},
 	}
 }
 

@@ -29,6 +29,7 @@ var queryTemplates = template.Must(template.ParseFS(queryFiles, "queries/*.sql")
 // queryNames are what the templates see: quoted names and the layout.
 type queryNames struct {
 	Table, Attempts, Consumers string
+	DuplicateAges              string // the duplicate-age histogram (migration 0005)
 	Compact, Partitioned       bool
 	Old                        string // the table a layout conversion copies from
 }
@@ -121,6 +122,7 @@ type queries struct {
 	replay, dropClaim, registerConsumer              query
 	clearProcessedAsync, countFirst, unlock          query
 	unlockIfHeld, takeBackLost, clearCounted         query
+	duplicateAge, duplicateAges                      query
 }
 
 func newQueries(n queryNames) queries {
@@ -142,5 +144,7 @@ func newQueries(n queryNames) queries {
 		replay:              renderQuery("replay", n),
 		dropClaim:           renderQuery("drop_claim", n),
 		registerConsumer:    renderQuery("register_consumer", n),
+		duplicateAge:        renderQuery("duplicate_age", n),
+		duplicateAges:       renderQuery("duplicate_ages", n),
 	}
 }

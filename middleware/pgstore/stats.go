@@ -35,6 +35,9 @@ type TableStats struct {
 	// AttemptsHeapBytes and AttemptsIndexBytes size the attempts table.
 	AttemptsHeapBytes  int64 `json:"attempts_heap_bytes"`
 	AttemptsIndexBytes int64 `json:"attempts_index_bytes"`
+	// DuplicateAges is each consumer's duplicate-age histogram (Store.DuplicateAges), by
+	// consumer name; a consumer without duplicates has no entry.
+	DuplicateAges map[string]DuplicateAges `json:"duplicate_ages"`
 }
 
 // relSizeSQL sums pg_table_size and pg_indexes_size over a table's partition tree (the table
@@ -42,9 +45,9 @@ type TableStats struct {
 const relSizeSQL = "SELECT coalesce(sum(pg_table_size(relid)), 0)::bigint, coalesce(sum(pg_indexes_size(relid)), 0)::bigint" +
 	" FROM (SELECT relid FROM pg_partition_tree($1::regclass) UNION SELECT $1::regclass) AS tree(relid)"
 
-// Stats reads the table statistics. It scans the inbox table (count(*), min, max, group by
-// consumer), so on a large table it costs what a sequential scan costs. Errors are the
-// database's, wrapped.
+// Stats reads the table statistics and the duplicate-age histograms. It scans the inbox table
+// (count(*), min, max, group by consumer), so on a large table it costs what a sequential scan
+// costs. Errors are the database's, wrapped.
 func (s *Store) Stats(ctx context.Context) (TableStats, error) {
 	st := TableStats{Table: s.table, AttemptsTable: s.attempts, PerConsumer: map[string]int64{}}
 	if err := s.pool.QueryRow(ctx, relSizeSQL, s.table).Scan(&st.HeapBytes, &st.IndexBytes); err != nil {
@@ -92,6 +95,9 @@ func (s *Store) Stats(ctx context.Context) (TableStats, error) {
 		Scan(&st.AttemptsPending, &st.DeadLettered)
 	if err != nil {
 		return st, fmt.Errorf("stats: %s: %w", s.attempts, err)
+	}
+	if st.DuplicateAges, err = s.DuplicateAges(ctx); err != nil {
+		return st, fmt.Errorf("stats: %w", err)
 	}
 	return st, nil
 }

@@ -100,6 +100,8 @@ type Store struct {
 	table    string // quoted "schema"."table"
 	versions string // quoted "schema".watermill_inbox_migrations
 	attempts string // quoted "schema"."<table>_attempts"
+	// duplicateAges is quoted "schema"."<table>_duplicate_ages": the duplicate-age histogram.
+	duplicateAges string
 	// consumers is the compact layout's consumers table; registered, the consumer names known
 	// to be in it.
 	consumers  string
@@ -160,8 +162,10 @@ func newNames(cfg Config) (*Store, error) {
 		versions:  pgx.Identifier{cfg.Schema, migrationsTable}.Sanitize(),
 		attempts:  pgx.Identifier{cfg.Schema, cfg.Table + "_attempts"}.Sanitize(),
 		consumers: pgx.Identifier{cfg.Schema, cfg.Table + "_consumers"}.Sanitize(),
+		// 47 bytes of table name and this suffix fit the 63 of an identifier.
+		duplicateAges: pgx.Identifier{cfg.Schema, cfg.Table + "_duplicate_ages"}.Sanitize(),
 	}
-	s.names = queryNames{Table: s.table, Attempts: s.attempts, Consumers: s.consumers,
+	s.names = queryNames{Table: s.table, Attempts: s.attempts, Consumers: s.consumers, DuplicateAges: s.duplicateAges,
 		Compact: cfg.Layout == LayoutCompact, Partitioned: cfg.Partitioning != nil}
 	s.q = newQueries(s.names)
 	return s, nil
@@ -182,6 +186,10 @@ func (s *Store) Table() string { return s.table }
 // AttemptsTable returns the quoted, schema-qualified attempts table name, e.g.
 // "public"."inbox_processed_messages_attempts".
 func (s *Store) AttemptsTable() string { return s.attempts }
+
+// DuplicateAgesTable returns the quoted, schema-qualified duplicate-age histogram's table name
+// (migration 0005), e.g. "public"."inbox_processed_messages_duplicate_ages".
+func (s *Store) DuplicateAgesTable() string { return s.duplicateAges }
 
 // Pool returns the pool the store claims on.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }

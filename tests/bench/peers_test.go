@@ -280,6 +280,12 @@ func (c *counter) n() uint64 { return c.count.Load() }
 // publishSlots publishes n messages to prefix-0..prefix-(slots-1), one publisher per slot, each
 // waiting for the ack of its message before it sends the next, and returns the elapsed time.
 func publishSlots(b testing.TB, pub message.Publisher, prefix string, slots, n int) time.Duration {
+	return publishSlotsTimed(b, pub, prefix, slots, n, nil)
+}
+
+// publishSlotsTimed is publishSlots storing, when sent is not nil, each message's UUID with the
+// time just before its Publish.
+func publishSlotsTimed(b testing.TB, pub message.Publisher, prefix string, slots, n int, sent *sync.Map) time.Duration {
 	start := time.Now()
 	var wg sync.WaitGroup
 	for s := range slots {
@@ -289,7 +295,11 @@ func publishSlots(b testing.TB, pub message.Publisher, prefix string, slots, n i
 		}
 		wg.Go(func() {
 			for range share {
-				if err := pub.Publish(fmt.Sprintf("%s-%d", prefix, s), message.NewMessage(uuid.NewString(), nil)); err != nil {
+				msg := message.NewMessage(uuid.NewString(), nil)
+				if sent != nil {
+					sent.Store(msg.UUID, time.Now())
+				}
+				if err := pub.Publish(fmt.Sprintf("%s-%d", prefix, s), msg); err != nil {
 					b.Error(err)
 					return
 				}
