@@ -194,7 +194,7 @@ func TestCommandsOnSeveralDatabases(t *testing.T) {
 
 	// migrate: the three get their tables, the closed port fails, exit 1.
 	out, errOut, err := runSplit(t, append([]string{"migrate", "--outbox"}, all...)...)
-	check("migrate", out, []string{"applied migrations [1 2 3 4]; outbox tables", "error: ", "applied migrations", "applied migrations"}, err, exitError)
+	check("migrate", out, []string{"applied migrations [1 2 3 4 5]; outbox tables", "error: ", "applied migrations", "applied migrations"}, err, exitError)
 	if !strings.Contains(errOut, "1 of 4 databases failed: "+closedLabel) {
 		t.Errorf("migrate: the error names the failed database: %q", errOut)
 	}
@@ -209,7 +209,7 @@ func TestCommandsOnSeveralDatabases(t *testing.T) {
 
 	// grants: run on each database, not printed.
 	out, errOut, err = runSplit(t, append([]string{"grants", "--role", role, "--outbox"}, all...)...)
-	check("grants", out, []string{`granted to role "` + role + `": 8 GRANT statements`, "error: ", "granted", "granted"}, err, exitError)
+	check("grants", out, []string{`granted to role "` + role + `": 9 GRANT statements`, "error: ", "granted", "granted"}, err, exitError)
 	noSecret("grants", out, errOut)
 	for _, db := range dbs {
 		var ok bool
@@ -310,7 +310,7 @@ func TestOneDatabaseIsAsBefore(t *testing.T) {
 	if err := os.WriteFile(file, []byte("# the only one\n"+db.url+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if out, _, err := runSplit(t, "migrate", "--databases-file", file); err != nil || out != `"public"."inbox_processed_messages": applied migrations [1 2 3 4]`+"\n" {
+	if out, _, err := runSplit(t, "migrate", "--databases-file", file); err != nil || out != `"public"."inbox_processed_messages": applied migrations [1 2 3 4 5]`+"\n" {
 		t.Fatalf("migrate from a file of one: %v\n%q", err, out)
 	}
 	execIn(t, db, "INSERT INTO inbox_processed_messages (message_id, consumer_name) VALUES ('k', 'billing')")
