@@ -19,7 +19,8 @@ import (
 const DefaultTopic = "inbox_outbox"
 
 // MaxTopicBytes is the longest accepted outbox topic: PostgreSQL truncates identifiers to 63
-// bytes, and the longest table name derived from the topic is "watermill_offsets_<topic>".
+// bytes (MySQL refuses names over 64 characters), and the longest table name derived from the
+// topic is "watermill_offsets_<topic>".
 const MaxTopicBytes = 63 - len("watermill_offsets_")
 
 // Config names the outbox: the watermill-sql topic every produced message is stored in, inside
@@ -31,8 +32,10 @@ type Config struct {
 	// envelopes). Default: DefaultTopic. Letters, digits and underscores, not starting with a
 	// digit, at most MaxTopicBytes bytes: it is spliced, quoted, into table names.
 	Topic string
-	// Schema qualifies the outbox tables, e.g. "billing". Empty (the default) leaves them
-	// unqualified, resolved by the connection's search_path, as watermill-sql does.
+	// Schema qualifies the outbox tables, e.g. "billing": a PostgreSQL schema, or on MySQL and
+	// MariaDB a database. Empty (the default) leaves them unqualified, resolved by the
+	// connection's search_path (PostgreSQL) or current database (MySQL), as watermill-sql
+	// does.
 	Schema string
 }
 
@@ -69,6 +72,30 @@ func (c Config) OffsetsTable() string {
 	return c.quote("watermill_offsets_" + c.Topic)
 }
 
+// MySQLMessagesTable returns the outbox table name quoted for MySQL and MariaDB, e.g.
+// `watermill_inbox_outbox` or `billing`.`watermill_inbox_outbox`. Call it on a Config that
+// passed Validate (its names hold only letters, digits and underscores).
+func (c Config) MySQLMessagesTable() string {
+	c.setDefaults()
+	return c.quoteMySQL("watermill_" + c.Topic)
+}
+
+// MySQLOffsetsTable returns the relay's offsets table quoted for MySQL and MariaDB, e.g.
+// `watermill_offsets_inbox_outbox`.
+func (c Config) MySQLOffsetsTable() string {
+	c.setDefaults()
+	return c.quoteMySQL("watermill_offsets_" + c.Topic)
+}
+
+// quoteMySQL quotes a validated name (ident.Validate: no backtick can occur) with backticks,
+// qualified by the Schema when set.
+func (c Config) quoteMySQL(table string) string {
+	if c.Schema == "" {
+		return "`" + table + "`"
+	}
+	return "`" + c.Schema + "`.`" + table + "`"
+}
+
 func (c Config) quote(table string) string {
 	if c.Schema == "" {
 		return pgx.Identifier{table}.Sanitize()
@@ -90,6 +117,24 @@ func (c Config) schemaAdapter(batchSize int) wmsql.DefaultPostgreSQLSchema {
 func (c Config) offsetsAdapter() wmsql.DefaultPostgreSQLOffsetsAdapter {
 	table := c.OffsetsTable()
 	return wmsql.DefaultPostgreSQLOffsetsAdapter{
+		GenerateMessagesOffsetsTableName: func(string) string { return table },
+	}
+}
+
+// mysqlSchemaAdapter is watermill-sql's MySQL schema with the table names of c: an
+// AUTO_INCREMENT "offset", uuid, created_at, payload JSON (the envelope) and metadata JSON.
+func (c Config) mysqlSchemaAdapter(batchSize int) wmsql.DefaultMySQLSchema {
+	table := c.MySQLMessagesTable()
+	return wmsql.DefaultMySQLSchema{
+		GenerateMessagesTableName: func(string) string { return table },
+		SubscribeBatchSize:        batchSize,
+	}
+}
+
+// mysqlOffsetsAdapter is watermill-sql's MySQL offsets adapter with the table names of c.
+func (c Config) mysqlOffsetsAdapter() wmsql.DefaultMySQLOffsetsAdapter {
+	table := c.MySQLOffsetsTable()
+	return wmsql.DefaultMySQLOffsetsAdapter{
 		GenerateMessagesOffsetsTableName: func(string) string { return table },
 	}
 }

@@ -92,6 +92,27 @@
 //     (bounded by CloseTimeout). A graceful stop republishes at most the row in flight and
 //     logs no error.
 //
+// # On MySQL and MariaDB (sqlstore's MySQL dialect)
+//
+// With sqlstore.MySQL, Store writes watermill-sql's MySQL schema in the inbox's *sql.Tx, and
+// a Relay with RelayConfig.MySQL (a *sql.DB) reads it with watermill-sql's MySQL schema and
+// offsets adapters; InitializeMySQLSchema creates the two tables:
+//
+//	if err := outbox.InitializeMySQLSchema(ctx, db, cfg); err != nil { ... }
+//	relay, _ := outbox.NewRelay(outbox.RelayConfig{Config: cfg, MySQL: db, Publisher: amqpPub}, logger)
+//
+// The outbox table's `offset` is AUTO_INCREMENT, assigned at INSERT, not at commit.
+// watermill-sql reads it under SERIALIZABLE, whose locking read of `offset` > the acked offset
+// waits for a row still uncommitted instead of skipping it: a row is relayed once its
+// transaction committed, in offset order, and never when it rolled back
+// (TestOutboxOnSQLStoreMySQL in package sqlstore). The price: a long inbox transaction that
+// wrote outbox rows stalls the relay until it ends, and a poll that waits holds next-key locks
+// that make other transactions' outbox INSERTs wait for it too; a deadlock between them (MySQL
+// 1213) is retried, by the inbox or by the relay's next poll. The rest of this documentation
+// holds on MySQL too, except what names PostgreSQL's snapshots and SQLSTATEs; rows have no
+// transaction id (MalformedRow.TransactionID is 0), and GrantSQL and SchemaSQL are
+// PostgreSQL's only.
+//
 // # Schema
 //
 // InitializeSchema creates the outbox table, "watermill_<topic>", and the relay's offsets
