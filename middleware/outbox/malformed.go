@@ -59,11 +59,11 @@ func (s relaySchema) UnmarshalMessage(params wmsql.UnmarshalMessageParams) (wmsq
 	return r, nil
 }
 
-// mysqlRelaySchema is relaySchema's counterpart on watermill-sql's MySQL schema, whose rows
-// have no transaction id (reported as 0): watermill-sql v4.1.2's MySQL UnmarshalMessage fails
-// the whole poll on an unreadable metadata column too.
+// mysqlRelaySchema is relaySchema's counterpart on watermill-sql's MySQL queue schema, whose
+// rows have no transaction id (reported as 0): watermill-sql v4.1.2's MySQL UnmarshalMessage
+// fails the whole poll on an unreadable metadata column too.
 type mysqlRelaySchema struct {
-	wmsql.DefaultMySQLSchema
+	wmsql.MySQLQueueSchema
 }
 
 func (s mysqlRelaySchema) UnmarshalMessage(params wmsql.UnmarshalMessageParams) (wmsql.Row, error) {

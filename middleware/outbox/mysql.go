@@ -15,16 +15,15 @@ import (
 )
 
 // InitializeMySQLSchema is InitializeSchema for MySQL and MariaDB (the outbox of sqlstore's
-// MySQL dialect): it creates the outbox's two tables with watermill-sql's MySQL statements
-// when CheckMySQLSchema finds them missing, and does nothing more when both exist (a user
-// without CREATE may call it then). The messages table: `offset` BIGINT AUTO_INCREMENT
-// PRIMARY KEY, uuid VARCHAR(36) holding the envelope's own UUID, created_at TIMESTAMP,
-// payload JSON holding the envelope, metadata JSON; the offsets table: consumer_group
-// VARCHAR(255) PRIMARY KEY, offset_acked, offset_consumed. Each statement is CREATE TABLE IF
-// NOT EXISTS, which MySQL commits on its own, so several processes may call it at once. The
-// database named by cfg.Schema must exist; an unqualified Config uses the connection's current
-// database. Errors wrap inbox.ErrInvalidConfig (a nil db, an invalid cfg) or are the driver's,
-// wrapped.
+// MySQL dialect): it creates the outbox table with watermill-sql's MySQL queue schema when
+// CheckMySQLSchema finds it missing, and does nothing more when it exists (a user without
+// CREATE may call it then). The table, MySQLMessagesTable: `offset` BIGINT AUTO_INCREMENT
+// PRIMARY KEY, uuid VARCHAR(36) holding the envelope's own UUID, payload JSON holding the
+// envelope, metadata JSON, acked BOOLEAN, created_at TIMESTAMP; the queue needs no offsets
+// table. The statement is CREATE TABLE IF NOT EXISTS, which MySQL commits on its own, so
+// several processes may call it at once. The database named by cfg.Schema must exist; an
+// unqualified Config uses the connection's current database. Errors wrap
+// inbox.ErrInvalidConfig (a nil db, an invalid cfg) or are the driver's, wrapped.
 func InitializeMySQLSchema(ctx context.Context, db *stdsql.DB, cfg Config) error {
 	if err := CheckMySQLSchema(ctx, db, cfg); err == nil || !errors.Is(err, ErrSchemaMissing) {
 		return err
@@ -34,11 +33,7 @@ func InitializeMySQLSchema(ctx context.Context, db *stdsql.DB, cfg Config) error
 	if err != nil {
 		return fmt.Errorf("outbox: messages table statements: %w", err)
 	}
-	oqs, err := cfg.mysqlOffsetsAdapter().SchemaInitializingQueries(wmsql.OffsetsSchemaInitializingQueriesParams{Topic: cfg.Topic})
-	if err != nil {
-		return fmt.Errorf("outbox: offsets table statements: %w", err)
-	}
-	for _, q := range append(qs, oqs...) {
+	for _, q := range qs {
 		if _, err := db.ExecContext(ctx, strings.TrimSuffix(strings.TrimSpace(q.Query), ";"), q.Args...); err != nil {
 			return fmt.Errorf("outbox: initialize schema: %w", err)
 		}
@@ -46,11 +41,10 @@ func InitializeMySQLSchema(ctx context.Context, db *stdsql.DB, cfg Config) error
 	return nil
 }
 
-// CheckMySQLSchema is CheckSchema for MySQL and MariaDB: nil when both outbox tables of cfg
-// exist in cfg.Schema (or the connection's current database), an error wrapping
-// ErrSchemaMissing that names the missing ones, an error wrapping inbox.ErrInvalidConfig for
-// a nil db or an invalid cfg, or the driver's error, wrapped. It reads information_schema
-// only.
+// CheckMySQLSchema is CheckSchema for MySQL and MariaDB: nil when the outbox table of cfg
+// exists in cfg.Schema (or the connection's current database), an error wrapping
+// ErrSchemaMissing that names it, an error wrapping inbox.ErrInvalidConfig for a nil db or
+// an invalid cfg, or the driver's error, wrapped. It reads information_schema only.
 func CheckMySQLSchema(ctx context.Context, db *stdsql.DB, cfg Config) error {
 	if db == nil {
 		return fmt.Errorf("%w: outbox: nil db", inbox.ErrInvalidConfig)
@@ -63,37 +57,26 @@ func CheckMySQLSchema(ctx context.Context, db *stdsql.DB, cfg Config) error {
 	if cfg.Schema == "" {
 		schema = nil // COALESCE: the current database
 	}
-	var messages, offsets bool
-	err := db.QueryRowContext(ctx, `SELECT
-		EXISTS (SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?),
-		EXISTS (SELECT 1 FROM information_schema.TABLES WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?)`,
-		schema, "watermill_"+cfg.Topic, schema, "watermill_offsets_"+cfg.Topic).Scan(&messages, &offsets)
+	var exists bool
+	err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.TABLES
+		WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?)`, schema, "watermill_"+cfg.Topic).Scan(&exists)
 	if err != nil {
 		return fmt.Errorf("outbox: check schema: %w", err)
 	}
-	var missing []string
-	if !messages {
-		missing = append(missing, cfg.MySQLMessagesTable())
-	}
-	if !offsets {
-		missing = append(missing, cfg.MySQLOffsetsTable())
-	}
-	if len(missing) > 0 {
-		return fmt.Errorf("%w: %s (run InitializeMySQLSchema as a user that may create tables)", ErrSchemaMissing, strings.Join(missing, ", "))
+	if !exists {
+		return fmt.Errorf("%w: %s (run InitializeMySQLSchema as a user that may create tables)", ErrSchemaMissing, cfg.MySQLMessagesTable())
 	}
 	return nil
 }
 
 // checkMySQLTables is checkTables on MySQL.
 func (r *Relay) checkMySQLTables(ctx context.Context) error {
-	for _, t := range []string{r.cfg.MySQLMessagesTable(), r.cfg.MySQLOffsetsTable()} {
-		rows, err := r.cfg.MySQL.QueryContext(ctx, "SELECT 1 FROM "+t+" LIMIT 0")
-		if err != nil {
-			return fmt.Errorf("outbox relay: table %s is not usable (call outbox.InitializeMySQLSchema first): %w", t, err)
-		}
-		_ = rows.Close()
+	t := r.cfg.MySQLMessagesTable()
+	rows, err := r.cfg.MySQL.QueryContext(ctx, "SELECT 1 FROM "+t+" LIMIT 0")
+	if err != nil {
+		return fmt.Errorf("outbox relay: table %s is not usable (call outbox.InitializeMySQLSchema first): %w", t, err)
 	}
-	return nil
+	return rows.Close()
 }
 
 // mysqlRelayDB is relayDB on database/sql for MySQL: the same pipelined commit (relayTx),
@@ -184,21 +167,18 @@ func (r sqlRows) Close() error {
 	return nil
 }
 
-// mysqlLag is Lag on MySQL: the rows after the group's acknowledged offset (MySQL's outbox
-// has no transaction ids: the relay reads in offset order under SERIALIZABLE, waiting for
-// uncommitted rows, so pending rows are exactly those), the oldest one's age (created_at is a
-// TIMESTAMP: whole seconds) and the offset gap.
+// mysqlLag is Lag on MySQL: the queue holds only rows not relayed yet (relayed rows are
+// deleted), so Pending is its row count and OffsetGap equals Pending; OldestAge comes from
+// created_at, a TIMESTAMP: whole seconds.
 func (r *Relay) mysqlLag(ctx context.Context) (RelayLag, error) {
-	msgs, offs := r.cfg.MySQLMessagesTable(), r.cfg.MySQLOffsetsTable()
-	q := "SELECT (SELECT count(*) FROM " + msgs + " m WHERE m.`offset` > g.acked)," +
-		" COALESCE((SELECT TIMESTAMPDIFF(MICROSECOND, min(m.created_at), CURRENT_TIMESTAMP(6)) FROM " + msgs + " m WHERE m.`offset` > g.acked), 0)," +
-		" GREATEST(COALESCE((SELECT max(`offset`) FROM " + msgs + "), 0) - g.acked, 0)" +
-		" FROM (SELECT COALESCE((SELECT offset_acked FROM " + offs + " WHERE consumer_group = ?), 0) AS acked) g"
+	q := "SELECT count(*), COALESCE(TIMESTAMPDIFF(MICROSECOND, min(created_at), CURRENT_TIMESTAMP(6)), 0) FROM " +
+		r.cfg.MySQLMessagesTable() + " WHERE acked = FALSE"
 	var lag RelayLag
 	var micros int64
-	if err := r.cfg.MySQL.QueryRowContext(ctx, q, r.cfg.ConsumerGroup).Scan(&lag.Pending, &micros, &lag.OffsetGap); err != nil {
-		return RelayLag{}, fmt.Errorf("outbox relay: reading the lag of consumer group %q: %w", r.cfg.ConsumerGroup, err)
+	if err := r.cfg.MySQL.QueryRowContext(ctx, q).Scan(&lag.Pending, &micros); err != nil {
+		return RelayLag{}, fmt.Errorf("outbox relay: reading the lag of the MySQL outbox: %w", err)
 	}
+	lag.OffsetGap = lag.Pending
 	if micros > 0 && lag.Pending > 0 {
 		lag.OldestAge = time.Duration(micros) * time.Microsecond
 	}

@@ -24,7 +24,7 @@ var ErrNotPgxTx = fmt.Errorf("%w: outbox: no inbox transaction in the context (t
 
 // Outbox implements inbox.Outbox with Watermill's components: a watermill-sql v4 Publisher on
 // the inbox's transaction (sql.TxFromPgx for pgstore's, sql.TxFromStdSQL for sqlstore's;
-// watermill-sql's PostgreSQL schema, or its MySQL schema on sqlstore's MySQL dialect),
+// watermill-sql's PostgreSQL schema, or its MySQL queue schema on sqlstore's MySQL dialect),
 // decorated by components/forwarder's Publisher,
 // so every produced message is inserted, in the inbox transaction, into the one outbox topic
 // inside a forwarder envelope naming its destination topic. The rows commit or roll back with
@@ -38,7 +38,7 @@ var ErrNotPgxTx = fmt.Errorf("%w: outbox: no inbox transaction in the context (t
 type Outbox struct {
 	cfg         Config
 	schema      wmsql.DefaultPostgreSQLSchema
-	mysqlSchema wmsql.DefaultMySQLSchema
+	mysqlSchema wmsql.MySQLQueueSchema
 	logger      watermill.LoggerAdapter
 }
 

@@ -541,15 +541,13 @@ func TestConfigValidation(t *testing.T) {
 	if got := (outbox.Config{Schema: "s"}).MySQLMessagesTable(); got != "`s`.`watermill_inbox_outbox`" {
 		t.Errorf("qualified MySQL messages table %s", got)
 	}
-	if got := (outbox.Config{}).MySQLOffsetsTable(); got != "`watermill_offsets_inbox_outbox`" {
-		t.Errorf("MySQL offsets table %s", got)
-	}
 
 	sch := testenv.NewSchema(t, 1)
 	pub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	for name, c := range map[string]outbox.RelayConfig{
 		"no pool":        {Publisher: pub},
 		"pool and MySQL": {Pool: sch.Pool, MySQL: &sql.DB{}, Publisher: pub},
+		"MySQL group":    {MySQL: &sql.DB{}, Publisher: pub, ConsumerGroup: "g"},
 		"no publisher":   {Pool: sch.Pool},
 		"bad topic":      {Pool: sch.Pool, Publisher: pub, Config: outbox.Config{Topic: "a.b"}},
 		"negative batch": {Pool: sch.Pool, Publisher: pub, BatchSize: -1},

@@ -58,10 +58,11 @@ type RelayConfig struct {
 	// one of Pool and MySQL is required.
 	Pool *pgxpool.Pool
 	// MySQL is the MySQL or MariaDB database (go-sql-driver/mysql) the relay reads the outbox
-	// with, through watermill-sql's MySQL schema and offsets adapters, instead of Pool: the
-	// outbox of sqlstore's MySQL dialect. The relay holds one connection while it polls or
-	// forwards a batch; its polls are SERIALIZABLE (watermill-sql's choice for MySQL, see the
-	// package documentation).
+	// with, through watermill-sql's MySQL queue schema and adapter, instead of Pool: the
+	// outbox of sqlstore's MySQL dialect. Relayed rows are deleted; ConsumerGroup must be
+	// empty (the queue has no consumer groups). The relay holds one connection while it polls
+	// or forwards a batch; its polls are SERIALIZABLE (watermill-sql's choice for MySQL, see
+	// the package documentation).
 	MySQL *stdsql.DB
 	// Publisher publishes the unwrapped messages to their destination topics: the real broker
 	// (required). The relay never closes it.
@@ -153,7 +154,8 @@ func (c *RelayConfig) setDefaults() {
 }
 
 // Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Config, neither or
-// both of Pool and MySQL, a missing Publisher, an invalid ConsumerGroup, a BatchSize or MaxInFlight below 1 or a
+// both of Pool and MySQL, a missing Publisher, an invalid ConsumerGroup (any but "" with
+// MySQL), a BatchSize or MaxInFlight below 1 or a
 // negative duration.
 // NewRelay calls it after filling defaults.
 func (c RelayConfig) Validate() error {
@@ -170,6 +172,9 @@ func (c RelayConfig) Validate() error {
 		utf8.RuneCountInString(c.ConsumerGroup) > maxConsumerGroupChars {
 		return fmt.Errorf("%w: outbox relay: ConsumerGroup must be valid UTF-8 without NUL, at most %d characters",
 			inbox.ErrInvalidConfig, maxConsumerGroupChars)
+	}
+	if c.MySQL != nil && c.ConsumerGroup != "" {
+		return fmt.Errorf("%w: outbox relay: the MySQL outbox is a queue without consumer groups: ConsumerGroup must be empty", inbox.ErrInvalidConfig)
 	}
 	if c.BatchSize < 1 {
 		return fmt.Errorf("%w: outbox relay: BatchSize must be at least 1", inbox.ErrInvalidConfig)

@@ -74,8 +74,8 @@ type RelayLag struct {
 
 // Lag reads the relay's consumer group's backlog from the database: one statement on the
 // outbox and offsets tables, scanning only the pending rows (on PostgreSQL an index range on
-// the table's primary key (transaction_id, "offset"); on MySQL a range of `offset`, with
-// OldestAge in whole seconds). Call it as often as a metrics scrape; its cost grows with
+// the table's primary key (transaction_id, "offset"); on MySQL the queue's rows, which are
+// only the pending ones, with OldestAge in whole seconds). Call it as often as a metrics scrape; its cost grows with
 // the backlog, not with the table. A group that never ran counts every row as pending.
 // Errors are the driver's, wrapped.
 func (r *Relay) Lag(ctx context.Context) (RelayLag, error) {

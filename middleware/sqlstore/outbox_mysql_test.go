@@ -44,9 +44,10 @@ func (t gatedTx) Commit(ctx context.Context) error {
 }
 
 // TestOutboxOnSQLStoreMySQL: on sqlstore's MySQL dialect the outbox writes watermill-sql's
-// MySQL schema in the inbox's *sql.Tx, and the relay (RelayConfig.MySQL) publishes a produced
-// message exactly when its transaction commits: not while the transaction is open, never
-// after a rollback, and once after the commit; a duplicate delivery produces nothing again.
+// MySQL queue schema in the inbox's *sql.Tx, and the relay (RelayConfig.MySQL) publishes a
+// produced message exactly when its transaction commits: not while the transaction is open,
+// never after a rollback, and once after the commit, then deletes its row; a duplicate
+// delivery produces nothing again.
 func TestOutboxOnSQLStoreMySQL(t *testing.T) {
 	b := newBank(t, sqlstore.MySQL, 8)
 	ctx := ctxT(t)
@@ -95,6 +96,14 @@ func TestOutboxOnSQLStoreMySQL(t *testing.T) {
 	<-relay.Running()
 
 	outboxRows := func() int { return b.count(t, "SELECT count(*) FROM "+ocfg.MySQLMessagesTable()) }
+	relayedAll := func(why string) { // a relayed row is deleted in the relay's transaction
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); outboxRows() != 0; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %d outbox rows left", why, outboxRows())
+			}
+		}
+	}
 	deliverAsync := func(id string) chan error {
 		done := make(chan error, 1)
 		go func() {
@@ -144,10 +153,14 @@ func TestOutboxOnSQLStoreMySQL(t *testing.T) {
 		t.Fatalf("pay-1: %v", err)
 	}
 	expect("out-pay-1")
+	relayedAll("after pay-1")
 
 	// 2. A failed delivery wrote its row and its balance, and rolled both back.
 	if err := <-deliverAsync("pay-fail"); err == nil {
 		t.Fatal("pay-fail: no error")
+	}
+	if n := outboxRows(); n != 0 {
+		t.Fatalf("a rolled-back delivery left %d outbox rows", n)
 	}
 	// 3. A duplicate of pay-1 skips the handler: no row, no message.
 	if err := <-deliverAsync("pay-1"); err != nil {
@@ -160,8 +173,9 @@ func TestOutboxOnSQLStoreMySQL(t *testing.T) {
 	expect("out-pay-2")
 	expectNothing(500*time.Millisecond, "after the last commit")
 
-	if got, n, o := b.balance(1), processedRows(t, b.store), outboxRows(); got != 200 || n != 2 || o != 2 {
-		t.Fatalf("balance %d, %d inbox rows, %d outbox rows; want 200, 2, 2", got, n, o)
+	relayedAll("after pay-2")
+	if got, n := b.balance(1), processedRows(t, b.store); got != 200 || n != 2 {
+		t.Fatalf("balance %d, %d inbox rows; want 200 and 2 (pay-1 and pay-2 once each)", got, n)
 	}
 	if st := relay.Stats(); st.Relayed != 2 {
 		t.Fatalf("relay stats %+v, want 2 relayed", st)
