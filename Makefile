@@ -12,9 +12,12 @@ MODE   ?= immediate
 
 ## demo: the main job: real messages through a real broker, real duplicates, real crashes,
 ## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process;
-## MODE=immediate|store-then-process, the inbox mode).
+## MODE=immediate|store-then-process, the inbox mode; DB=pgsql|mysql, the database and store:
+## unset, pgstore on PostgreSQL; pgsql, sqlstore's PostgreSQL dialect; mysql, sqlstore's MySQL
+## dialect on MariaDB at INBOX_MYSQL_DSN, with a broker other than postgres, e.g. BROKER=amqp).
+DB ?=
 demo:
-	cd examples/billing && $(GO) run . -broker=$(BROKER) -mode=$(MODE)
+	cd examples/billing && $(GO) run . -broker=$(BROKER) -mode=$(MODE)$(if $(DB), -db=$(DB))
 
 ## test: vet, then every test against the real PostgreSQL, RabbitMQ, NATS and Redis, with the race
 ## detector, including the two that restart the machine's PostgreSQL cluster and RabbitMQ node

@@ -77,6 +77,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 	c.cmd = exec.Command(exe,
 		"-role="+roleConsumer,
 		"-broker="+d.o.broker,
+		"-db="+d.o.db,
 		fmt.Sprintf("-run=%d", c.n),
 		"-schema="+d.schema,
 		"-topic="+d.topics.payments,
@@ -93,7 +94,7 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		fmt.Sprintf("-crash-after-applied=%d", crash.afterApplied),
 	)
 	// The consumer builds its broker from the environment (router.ConfigFromEnv).
-	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL())
+	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL(), "INBOX_MYSQL_DSN="+mysqlDSN())
 	c.cmd.Env = append(c.cmd.Env, d.broker.env...)
 	c.cmd.SysProcAttr = childProcAttr() // the child dies with the orchestrator
 	var tee io.Writer

@@ -35,7 +35,6 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/adapters/sqs"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
@@ -146,25 +145,23 @@ func consume(ctx context.Context, o options) error {
 	// Connections, per concurrent delivery: the billing inbox transaction, the rejection log's
 	// autocommit write and the receipts inbox transaction. Besides: the watermill-sql
 	// subscribers' batch transactions, the relay's, the publishers' on PostgreSQL, spares.
-	pool, err := openPool(ctx, o.schema, o.appName, int32(3*max(concurrency, o.amqpConsumers)+8))
+	// The database (-db, storage.go): pgstore on a pgx pool, or sqlstore on PostgreSQL or MySQL.
+	st, err := openStorage(ctx, o.db, o.schema, o.appName, int32(3*max(concurrency, o.amqpConsumers)+8), false)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer st.close()
+	store := st.store
 
-	r, err := router.New(cfg, pool, logger)
+	r, err := router.New(cfg, st.pool, logger) // the pool: the postgres broker's (nil on MySQL)
 	if err != nil {
 		return fmt.Errorf("%s broker: %w", cfg.Broker, err)
-	}
-	store, err := pgstore.New(pool, pgstore.Config{Schema: o.schema})
-	if err != nil {
-		return err
 	}
 	ob, err := outbox.New(outboxConfig(o.schema), logger)
 	if err != nil {
 		return err
 	}
-	metrics, err := newDemoMetrics(o.metricsAddr, store) // Prometheus: see metrics.go
+	metrics, err := newDemoMetrics(o.metricsAddr, st.pg) // Prometheus: see metrics.go
 	if err != nil {
 		return err
 	}
@@ -202,29 +199,29 @@ func consume(ctx context.Context, o options) error {
 	// The receipts the billing handler returns are for the receipts topic. The inbox hands them
 	// to the outbox, so the router never publishes them itself.
 	handler := billingHandler{
-		pool:       pool,
-		accounts:   qualified(o.schema, "accounts"),
-		rejections: qualified(o.schema, "rejections"),
+		data:       st.data(),
+		accounts:   st.table("accounts"),
+		rejections: st.table("rejections"),
 		run:        o.run,
 		onRejected: crash.onRejected,
 	}
 	if o.mode == router.ModeStoreThenProcess {
 		// The same handler, run by the store-then-process workers (deferred.go).
-		if crash.ibs.deferred, err = addDeferredBilling(r, o, store, ob, handler, crash, logger); err != nil {
+		if crash.ibs.deferred, err = addDeferredBilling(r, o, st.pg, ob, handler, crash, logger); err != nil {
 			return err
 		}
 	} else {
 		r.AddPublishingConsumer(billing, o.topic, o.receiptsTopic, handler.handle)
 	}
-	r.AddConsumer(receipts, o.receiptsTopic, receiptsHandler(qualified(o.schema, "receipts")))
+	r.AddConsumer(receipts, o.receiptsTopic, receiptsHandler(st.data(), st.table("receipts")))
 
 	// The relay reads the outbox with a watermill-sql subscriber and publishes each receipt to
 	// its destination topic, at least once: a crash between a publish and the commit of the
 	// relay's offset publishes it again, with the same UUID, and the receipts inbox skips it.
-	relay, err := outbox.NewRelay(outbox.RelayConfig{
-		Config: outboxConfig(o.schema), Pool: pool, Publisher: r.Broker.Publisher,
+	relay, err := outbox.NewRelay(st.relayConfig(outbox.RelayConfig{
+		Config: outboxConfig(o.schema), Publisher: r.Broker.Publisher,
 		PollInterval: 50 * time.Millisecond,
-	}, logger)
+	}), logger)
 	if err != nil {
 		return err
 	}
@@ -263,7 +260,7 @@ func consume(ctx context.Context, o options) error {
 }
 
 // outboxConfig is the outbox of a run: watermill-sql's tables "watermill_inbox_outbox" and
-// "watermill_offsets_inbox_outbox" in the run's schema. The Outbox (writer), the Relay
+// "watermill_offsets_inbox_outbox" in the run's schema (or MySQL database). The Outbox (writer), the Relay
 // (reader) and InitializeSchema get the same Config.
 func outboxConfig(schema string) outbox.Config {
 	return outbox.Config{Schema: schema}
@@ -299,7 +296,9 @@ func qualified(schema, table string) string { return pgx.Identifier{schema, tabl
 // billingHandler is the business handler. Its writes run on the inbox's transaction, so the
 // balance change and the receipt commit or roll back together with the claim of the message ID.
 type billingHandler struct {
-	pool                 *pgxpool.Pool
+	// data is the database (storage.go): the inbox's pgx.Tx or *sql.Tx, and the rejection
+	// log's autocommit connection.
+	data                 billingData
 	accounts, rejections string // quoted, schema-qualified
 	run                  int    // this consumer's run number, written to the rejection log
 	// onRejected, when set, is called after a poison payment's rejection was logged, with the
@@ -319,15 +318,15 @@ func (h billingHandler) handle(msg *message.Message) ([]*message.Message, error)
 		return nil, inbox.Permanent(fmt.Errorf("decode payment: %w", err))
 	}
 	ctx := msg.Context()
-	tx, ok := pgstore.TxFromContext(ctx)
+	tx, ok := h.data.tx(ctx) // pgstore.TxFromContext or sqlstore.TxFromContext
 	if !ok {
 		return nil, errors.New("no inbox transaction in the message context: the handler is not wrapped by the inbox")
 	}
-	tag, err := tx.Exec(ctx, "UPDATE "+h.accounts+" SET balance = balance + $1 WHERE id = $2 AND NOT frozen", p.AmountCents, p.AccountID)
+	changed, err := tx.exec(ctx, "UPDATE "+h.accounts+" SET balance = balance + $1 WHERE id = $2 AND NOT frozen", p.AmountCents, p.AccountID)
 	if err != nil {
 		return nil, fmt.Errorf("update balance: %w", err)
 	}
-	if tag.RowsAffected() != 1 {
+	if changed != 1 {
 		return nil, h.reject(msg, tx, p)
 	}
 	if h.applied != "" {
@@ -335,7 +334,7 @@ func (h billingHandler) handle(msg *message.Message) ([]*message.Message, error)
 		if err != nil {
 			return nil, inbox.Permanent(fmt.Errorf("payment sequence: %w", err))
 		}
-		if _, err := tx.Exec(ctx, "INSERT INTO "+h.applied+" (account_id, seq, message_id) VALUES ($1, $2, $3)",
+		if _, err := tx.exec(ctx, "INSERT INTO "+h.applied+" (account_id, seq, message_id) VALUES ($1, $2, $3)",
 			p.AccountID, seq, msg.UUID); err != nil {
 			return nil, fmt.Errorf("record the payment's sequence: %w", err)
 		}
@@ -357,12 +356,12 @@ func (h billingHandler) handle(msg *message.Message) ([]*message.Message, error)
 // the payment may go through once the account is unfrozen, so the broker redelivers it, and the
 // inbox dead-letters it after MaxAttempts. An unknown account is a permanent error: dead-lettered
 // at once.
-func (h billingHandler) reject(msg *message.Message, tx pgx.Tx, p payment) error {
+func (h billingHandler) reject(msg *message.Message, tx dataTx, p payment) error {
 	ctx := msg.Context()
 	var frozen bool
-	err := tx.QueryRow(ctx, "SELECT frozen FROM "+h.accounts+" WHERE id = $1", p.AccountID).Scan(&frozen)
+	err := tx.queryRow(ctx, "SELECT frozen FROM "+h.accounts+" WHERE id = $1", p.AccountID).Scan(&frozen)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows):
+	case isNoRows(err):
 		return inbox.Permanent(fmt.Errorf("account %d does not exist", p.AccountID))
 	case err != nil:
 		return fmt.Errorf("read account: %w", err)
@@ -371,9 +370,7 @@ func (h billingHandler) reject(msg *message.Message, tx pgx.Tx, p payment) error
 	}
 	// The rejection log is written outside the inbox transaction, on an autocommit connection
 	// of the pool, so every handler run leaves its row although its transaction rolls back.
-	var run int64
-	err = h.pool.QueryRow(ctx, "WITH logged AS (INSERT INTO "+h.rejections+" (message_id, consumer_run) VALUES ($1, $2)) "+
-		"SELECT count(*) + 1 FROM "+h.rejections+" WHERE message_id = $1", msg.UUID, h.run).Scan(&run)
+	run, err := h.data.logRejection(ctx, h.rejections, msg.UUID, h.run)
 	if err != nil {
 		return fmt.Errorf("log rejection: %w", err)
 	}
@@ -386,18 +383,18 @@ func (h billingHandler) reject(msg *message.Message, tx pgx.Tx, p payment) error
 // receiptsHandler is the downstream consumer's handler: it counts a receipt by inserting a row,
 // on its inbox's transaction. The table has no unique key on purpose: a receipt counted twice
 // would show as two rows.
-func receiptsHandler(receiptsTable string) message.NoPublishHandlerFunc {
+func receiptsHandler(data billingData, receiptsTable string) message.NoPublishHandlerFunc {
 	insert := "INSERT INTO " + receiptsTable + " (receipt_id, payment_id, account_id, amount_cents) VALUES ($1, $2, $3, $4)"
 	return func(msg *message.Message) error {
 		var r receipt
 		if err := json.Unmarshal(msg.Payload, &r); err != nil {
 			return inbox.Permanent(fmt.Errorf("decode receipt: %w", err))
 		}
-		tx, ok := pgstore.TxFromContext(msg.Context())
+		tx, ok := data.tx(msg.Context())
 		if !ok {
 			return errors.New("no inbox transaction in the message context")
 		}
-		if _, err := tx.Exec(msg.Context(), insert, msg.UUID, r.PaymentID, r.AccountID, r.AmountCents); err != nil {
+		if _, err := tx.exec(msg.Context(), insert, msg.UUID, r.PaymentID, r.AccountID, r.AmountCents); err != nil {
 			return fmt.Errorf("count receipt: %w", err)
 		}
 		return nil

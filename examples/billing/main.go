@@ -5,7 +5,7 @@
 // once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
 // and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run . [-broker=postgres|amqp|kafka|sqs|nats|redis] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
+//	go run . [-broker=postgres|amqp|kafka|sqs|nats|redis] [-db=pgx|pgsql|mysql] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
 // inbox and the outbox into it, creates the accounts (one of them frozen), publishes the
@@ -37,7 +37,13 @@
 // With -mode=store-then-process the consumer stores each delivery and acks it, and workers run
 // the same billing handler later; deferred.go describes that run and its checks.
 //
-// Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
+// -db picks the database and the inbox store (storage.go): pgx (default: pgstore, the handler
+// gets a pgx.Tx), pgsql (sqlstore's PostgreSQL dialect: a *sql.Tx) or mysql (sqlstore's MySQL
+// dialect: balances, business tables, inbox and outbox in a fresh MariaDB or MySQL database;
+// with any broker but postgres). The same crashes and checks run on each.
+//
+// Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable),
+// for -db=mysql INBOX_MYSQL_DSN (default root@tcp(127.0.0.1:3306)/, go-sql-driver's form)
 // and, for -broker=amqp, INBOX_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/), for
 // -broker=nats INBOX_NATS_URL (default nats://127.0.0.1:4222), for -broker=redis INBOX_REDIS_URL
 // (default redis://127.0.0.1:6379). For -broker=kafka and -broker=sqs the orchestrator starts an
@@ -72,7 +78,10 @@ const (
 type options struct {
 	role string
 
-	broker        string
+	broker string
+	// db is where the balances, the business tables, the inbox and the outbox live (storage.go):
+	// dbPgx (default), dbPgSQL or dbMySQL.
+	db            string
 	messages      int
 	accounts      int
 	dupRatio      float64
@@ -106,6 +115,7 @@ func parseFlags(args []string) (options, error) {
 	fs := flag.NewFlagSet("billing", flag.ContinueOnError)
 	fs.StringVar(&o.role, "role", roleOrchestrator, "orchestrator (default) or consumer (internal: the orchestrator starts the consumer)")
 	fs.StringVar(&o.broker, "broker", "postgres", "message broker: postgres (watermill-sql on the same database), amqp (RabbitMQ at INBOX_AMQP_URL), kafka (an in-process kfake cluster), sqs (an in-process goaws), nats (JetStream at INBOX_NATS_URL) or redis (Redis Streams at INBOX_REDIS_URL)")
+	fs.StringVar(&o.db, "db", dbPgx, "database of the balances, business tables, inbox and outbox: pgx (pgstore on PostgreSQL), pgsql (sqlstore's PostgreSQL dialect, database/sql) or mysql (sqlstore's MySQL dialect on MariaDB or MySQL at INBOX_MYSQL_DSN)")
 	fs.IntVar(&o.messages, "messages", 2000, "unique payment messages to publish (at least 20)")
 	fs.IntVar(&o.accounts, "accounts", 50, "number of accounts the payments are spread over")
 	fs.Float64Var(&o.dupRatio, "dup-ratio", 0.2, "share of the payments re-sent with the same message UUID and payload (0 to 1)")
@@ -138,6 +148,8 @@ func parseFlags(args []string) (options, error) {
 		return o, fmt.Errorf("-role=%q: want %s or %s", o.role, roleOrchestrator, roleConsumer)
 	case !slices.Contains(adapters.Registered(), o.broker):
 		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(adapters.Registered(), ", "))
+	case checkDB(o) != nil:
+		return o, checkDB(o)
 	case !slices.Contains(router.Modes, o.mode):
 		return o, fmt.Errorf("-mode=%q: want one of %s", o.mode, strings.Join(router.Modes, ", "))
 	case o.soak && o.mode != router.ModeImmediate:
@@ -160,6 +172,19 @@ func parseFlags(args []string) (options, error) {
 		return o, errors.New("-role=consumer needs -schema, -topic, -dead-letter-topic and -receipts-topic")
 	}
 	return o, nil
+}
+
+// checkDB refuses a -db the rest of the command line cannot run with.
+func checkDB(o options) error {
+	switch {
+	case !slices.Contains(dbKinds, o.db):
+		return fmt.Errorf("-db=%q: want one of %s", o.db, strings.Join(dbKinds, ", "))
+	case o.db != dbPgx && (o.mode != router.ModeImmediate || o.soak):
+		return fmt.Errorf("-db=%s runs the immediate mode's scripted crashes only (store-then-process and the soak are pgstore's)", o.db)
+	case o.db == dbMySQL && o.broker == "postgres":
+		return errors.New("-db=mysql needs a broker other than postgres, whose topics live in PostgreSQL: e.g. -broker=amqp")
+	}
+	return nil
 }
 
 func databaseURL() string {

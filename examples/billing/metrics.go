@@ -26,7 +26,7 @@ type demoMetrics struct {
 	m   *inboxmetrics.Metrics
 }
 
-// newDemoMetrics registers the inbox metrics and store's table gauges, and serves /metrics on
+// newDemoMetrics registers the inbox metrics and, with a pgstore store, its table gauges, and serves /metrics on
 // addr when it is not empty (the server dies with the process).
 func newDemoMetrics(addr string, store *pgstore.Store) (*demoMetrics, error) {
 	reg := prometheus.NewRegistry()
@@ -34,12 +34,14 @@ func newDemoMetrics(addr string, store *pgstore.Store) (*demoMetrics, error) {
 	if err != nil {
 		return nil, err
 	}
-	tables, err := inboxmetrics.NewTableCollector(store, inboxmetrics.TableConfig{Outbox: &inboxmetrics.OutboxTables{Schema: store.Config().Schema}})
-	if err != nil {
-		return nil, err
-	}
-	if err := reg.Register(tables); err != nil {
-		return nil, err
+	if store != nil { // the table gauges read pgstore's tables; sqlstore (-db=pgsql|mysql) has none
+		tables, err := inboxmetrics.NewTableCollector(store, inboxmetrics.TableConfig{Outbox: &inboxmetrics.OutboxTables{Schema: store.Config().Schema}})
+		if err != nil {
+			return nil, err
+		}
+		if err := reg.Register(tables); err != nil {
+			return nil, err
+		}
 	}
 	if addr != "" {
 		mux := http.NewServeMux()

@@ -5,6 +5,7 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -20,12 +21,9 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
-	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
@@ -47,8 +45,10 @@ type demo struct {
 	// watermill-sql's tables.
 	schema string
 	topics topics
-	pool   *pgxpool.Pool
-	store  *pgstore.Store
+	// st is the run's database (-db, storage.go); pool is its PostgreSQL pool (nil on
+	// mysql), which the postgres broker, the store-then-process mode and the soak use.
+	st   *storage
+	pool *pgxpool.Pool
 	// accounts, rejections, receipts: the business tables, quoted, schema-qualified.
 	accounts, rejections, receipts string
 	// deferredTable is the store-then-process table, quoted (-mode=store-then-process only).
@@ -78,13 +78,13 @@ func runOrchestrator(o options) int {
 	if err == nil {
 		err = d.cleanup()
 	} else if d.schemaCreated {
-		fmt.Fprintf(d.out, "kept        schema %s for inspection (drop it with: DROP SCHEMA %s CASCADE)\n", d.schema, d.schema)
+		fmt.Fprintf(d.out, "kept        %s\n", d.st.keptHint())
 	}
 	if d.broker != nil {
 		d.broker.Close()
 	}
-	if d.pool != nil {
-		d.pool.Close()
+	if d.st != nil {
+		d.st.close()
 	}
 	if err != nil {
 		switch {
@@ -130,18 +130,25 @@ func (d *demo) prepare(ctx context.Context) (uint64, error) {
 		seed = uint64(time.Now().UnixNano())
 	}
 	fmt.Fprintf(d.out, "billing demo: broker=%s schema=%s topic=%s seed=%d\n", d.o.broker, d.schema, d.topics.payments, seed)
+	switch d.o.db {
+	case dbPgSQL:
+		fmt.Fprintf(d.out, "database    PostgreSQL through database/sql: sqlstore's PostgreSQL dialect, the handler on a *sql.Tx\n")
+	case dbMySQL:
+		fmt.Fprintf(d.out, "database    MySQL/MariaDB database %s: sqlstore's MySQL dialect (balances, business tables, inbox, outbox), the handler on a *sql.Tx\n", d.schema)
+	}
 	if d.o.mode != router.ModeImmediate {
 		fmt.Fprintf(d.out, "mode        %s: the receipt stores each delivery and acks it; workers run the billing handler later, each account's payments in sequence order\n", d.o.mode)
 	}
 
-	pool, err := openPool(ctx, d.schema, "billing-demo-"+d.runID+"-orchestrator", 4)
+	st, err := openStorage(ctx, d.o.db, d.schema, "billing-demo-"+d.runID+"-orchestrator", 4, true)
 	if err != nil {
 		return 0, err
 	}
-	d.pool = pool
+	d.st, d.pool = st, st.pool
+	d.schemaCreated = st.created
 	// Connect to the broker before creating anything, so an unreachable broker leaves no
 	// schema. The postgres adapter creates its tables on first use, in the run's schema.
-	if d.broker, err = newBrokerAdmin(d.o, pool, d.schema, d.topics); err != nil {
+	if d.broker, err = newBrokerAdmin(d.o, d.pool, d.schema, d.topics); err != nil {
 		return 0, err
 	}
 	if err := d.setup(ctx); err != nil {
@@ -352,46 +359,17 @@ func (d *demo) printElapsed(start time.Time, consumeTime time.Duration) {
 // the business tables: the accounts (one more than -accounts, frozen), the rejection log and
 // the receipts counted downstream.
 func (d *demo) setup(ctx context.Context) error {
-	pool := d.pool
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{d.schema}.Sanitize()); err != nil {
-		return fmt.Errorf("create schema: %w", err)
-	}
-	d.schemaCreated = true
-	var err error
-	d.store, err = pgstore.New(pool, pgstore.Config{Schema: d.schema})
-	if err != nil {
-		return err
-	}
-	if _, err := d.store.Migrate(ctx); err != nil {
-		return err
-	}
-	if err := outbox.InitializeSchema(ctx, pool, outboxConfig(d.schema)); err != nil {
-		return err
-	}
-	d.accounts = qualified(d.schema, "accounts")
-	d.rejections = qualified(d.schema, "rejections")
-	d.receipts = qualified(d.schema, "receipts")
-	for _, stmt := range []string{
-		"CREATE TABLE " + d.accounts + " (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0, frozen boolean NOT NULL DEFAULT false)",
-		// One row per handler run that rejected a payment, written outside the inbox
-		// transaction, so it stays when the transaction rolls back or the process dies.
-		"CREATE TABLE " + d.rejections + " (id bigserial PRIMARY KEY, message_id text NOT NULL, consumer_run int NOT NULL, at timestamptz NOT NULL DEFAULT now())",
-		// One row per receipt counted by the downstream consumer; no unique key, on purpose.
-		"CREATE TABLE " + d.receipts + " (id bigserial PRIMARY KEY, receipt_id text NOT NULL, payment_id text NOT NULL, account_id bigint NOT NULL, amount_cents bigint NOT NULL)",
-	} {
-		if _, err := pool.Exec(ctx, stmt); err != nil {
-			return fmt.Errorf("create tables: %w", err)
-		}
-	}
-	if _, err := pool.Exec(ctx, "INSERT INTO "+d.accounts+" (id, frozen) SELECT n, n > $1 FROM generate_series(1, $1::bigint + 1) n", d.o.accounts); err != nil {
-		return fmt.Errorf("insert accounts: %w", err)
-	}
-	return nil
+	d.accounts = d.st.table("accounts")
+	d.rejections = d.st.table("rejections")
+	d.receipts = d.st.table("receipts")
+	err := d.st.setup(ctx, d.accounts, d.rejections, d.receipts, d.o.accounts)
+	d.schemaCreated = d.st.created
+	return err
 }
 
 func (d *demo) inboxRows(ctx context.Context) (int64, error) {
 	var n int64
-	err := d.pool.QueryRow(ctx, "SELECT count(*) FROM "+d.store.Table()+" WHERE consumer_name = $1", consumerName).Scan(&n)
+	err := d.st.db.QueryRowContext(ctx, d.st.q("SELECT count(*) FROM "+d.st.inboxTable+" WHERE consumer_name = $1"), consumerName).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("count inbox rows: %w", err)
 	}
@@ -439,12 +417,13 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 		}
 	}
 
-	lockTx, err := d.pool.Begin(ctx)
+	lockTx, err := d.st.db.BeginTx(ctx, nil)
 	if err != nil {
 		return fail(err)
 	}
-	defer func() { _ = lockTx.Rollback(context.WithoutCancel(ctx)) }()
-	if _, err := lockTx.Exec(ctx, "SELECT 1 FROM "+d.accounts+" WHERE id = $1 FOR UPDATE", account); err != nil {
+	defer func() { _ = lockTx.Rollback() }()
+	var one int
+	if err := lockTx.QueryRowContext(ctx, d.st.q("SELECT 1 FROM "+d.accounts+" WHERE id = $1 FOR UPDATE"), account).Scan(&one); err != nil {
 		return fail(fmt.Errorf("lock account %d: %w", account, err))
 	}
 	if _, err := claimTx.Fail(ctx, contract.Failure{}); err != nil {
@@ -455,11 +434,8 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 		if c.exited() {
 			return fail(fmt.Errorf("consumer #2 exited by itself: %s", c.describeExit()))
 		}
-		var blocked int
-		err := d.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = $1 AND wait_event_type = 'Lock' AND query LIKE 'UPDATE %'`,
-			d.consumerAppName(c.n)).Scan(&blocked)
-		if err == nil && blocked > 0 {
+		blocked, err := d.st.lockWaiting(ctx, d.consumerAppName(c.n))
+		if err == nil && blocked {
 			break
 		}
 		if err == nil {
@@ -478,7 +454,7 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 	}
 	// The killed consumer's blocked session gets the lock now, finds its client gone and rolls
 	// back: it never received a COMMIT.
-	if err := lockTx.Rollback(ctx); err != nil {
+	if err := lockTx.Rollback(); err != nil {
 		return 0, 0, fmt.Errorf("release the lock on account %d: %w", account, err)
 	}
 	return rows, account, nil
@@ -489,11 +465,7 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 // returns the claim's transaction and the payment's index in d.w.ids.
 func (d *demo) holdLastClaim(ctx context.Context) (contract.Tx, int, error) {
 	for range 10 {
-		rows, err := d.pool.Query(ctx, "SELECT message_id FROM "+d.store.Table()+" WHERE consumer_name = $1", consumerName)
-		if err != nil {
-			return nil, 0, err
-		}
-		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		ids, err := d.processedIDs(ctx)
 		if err != nil {
 			return nil, 0, err
 		}
@@ -511,12 +483,12 @@ func (d *demo) holdLastClaim(ctx context.Context) (contract.Tx, int, error) {
 			return nil, 0, errors.New("every payment is already processed: no mid-stream kill possible")
 		}
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		tx, res, err := d.store.Claim(cctx, contract.Delivery{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
+		tx, res, err := d.st.store.Claim(cctx, contract.Delivery{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
 		cancel()
 		if err == nil && res.Decision == contract.Run {
 			return tx, last, nil
 		}
-		if err != nil && !errors.Is(err, pgstore.ErrClaimInFlight) {
+		if err != nil && !errClaimInFlight(err) {
 			return nil, 0, fmt.Errorf("claim the last payment: %w", err)
 		}
 		// No consumer runs now, so this is not reached; retry anyway.
@@ -547,7 +519,7 @@ func (d *demo) crashInPoison(ctx context.Context) (consumerReport, error) {
 // attemptsOf returns the billing inbox's attempt count of a message (0 without a row).
 func (d *demo) attemptsOf(ctx context.Context, messageID string) (int64, error) {
 	var n int64
-	err := d.pool.QueryRow(ctx, "SELECT coalesce(max(attempts), 0) FROM "+d.attemptsTable()+" WHERE message_id = $1 AND consumer_name = $2",
+	err := d.st.db.QueryRowContext(ctx, d.st.q("SELECT coalesce(max(attempts), 0) FROM "+d.st.attemptsTable+" WHERE message_id = $1 AND consumer_name = $2"),
 		messageID, consumerName).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("read attempts: %w", err)
@@ -555,9 +527,27 @@ func (d *demo) attemptsOf(ctx context.Context, messageID string) (int64, error) 
 	return n, nil
 }
 
-// attemptsTable is pgstore's attempt record table, "<table>_attempts", next to the inbox table.
-func (d *demo) attemptsTable() string {
-	return qualified(d.schema, pgstore.DefaultTable+"_attempts")
+// processedIDs returns the message IDs the billing inbox recorded.
+func (d *demo) processedIDs(ctx context.Context) ([]string, error) {
+	rows, err := d.st.db.QueryContext(ctx, d.st.q("SELECT message_id FROM "+d.st.inboxTable+" WHERE consumer_name = $1"), consumerName)
+	if err != nil {
+		return nil, err
+	}
+	return collect(rows, func(r *sql.Rows) (id string, err error) { return id, r.Scan(&id) })
+}
+
+// collect scans every row of rows with scan, and closes rows.
+func collect[T any](rows *sql.Rows, scan func(*sql.Rows) (T, error)) ([]T, error) {
+	defer func() { _ = rows.Close() }()
+	var out []T
+	for rows.Next() {
+		v, err := scan(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, rows.Err()
 }
 
 // progress is what the orchestrator waits for before it stops the last consumer.
@@ -567,10 +557,10 @@ type progress struct {
 
 func (d *demo) progress(ctx context.Context) (progress, error) {
 	var p progress
-	err := d.pool.QueryRow(ctx, `SELECT
-		(SELECT count(*) FROM `+d.store.Table()+` WHERE consumer_name = $1),
-		(SELECT count(*) FROM `+d.attemptsTable()+` WHERE consumer_name = $1 AND dead_lettered_at IS NOT NULL),
-		(SELECT count(*) FROM `+d.receipts+`)`, consumerName).Scan(&p.rows, &p.deadLettered, &p.receipts)
+	err := d.st.db.QueryRowContext(ctx, d.st.q(`SELECT
+		(SELECT count(*) FROM `+d.st.inboxTable+` WHERE consumer_name = $1),
+		(SELECT count(*) FROM `+d.st.attemptsTable+` WHERE consumer_name = $2 AND dead_lettered_at IS NOT NULL),
+		(SELECT count(*) FROM `+d.receipts+`)`), consumerName, consumerName).Scan(&p.rows, &p.deadLettered, &p.receipts)
 	if err != nil {
 		return p, fmt.Errorf("read progress: %w", err)
 	}
@@ -632,11 +622,19 @@ func (d *demo) runToCompletion(ctx context.Context) (*child, time.Time, error) {
 
 // verifyInbox checks that the inbox holds exactly the published IDs, once each.
 func (d *demo) verifyInbox(ctx context.Context, unique int64) error {
-	var rows, matching int64
-	err := d.pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE message_id = ANY($2::text[]))
-		FROM `+d.store.Table()+` WHERE consumer_name = $1`, consumerName, d.w.ids).Scan(&rows, &matching)
+	ids, err := d.processedIDs(ctx)
 	if err != nil {
 		return fmt.Errorf("verify inbox: %w", err)
+	}
+	published := make(map[string]bool, len(d.w.ids))
+	for _, id := range d.w.ids {
+		published[id] = true
+	}
+	rows, matching := int64(len(ids)), int64(0)
+	for _, id := range ids {
+		if published[id] {
+			matching++
+		}
 	}
 	if rows != unique || matching != unique {
 		return fmt.Errorf("inbox has %d rows, %d of them published IDs; want %d", rows, matching, unique)
@@ -647,12 +645,12 @@ func (d *demo) verifyInbox(ctx context.Context, unique int64) error {
 // verifyBalances compares every balance with the sum of its account's unique payments and
 // returns the total.
 func (d *demo) verifyBalances(ctx context.Context) (int64, error) {
-	rows, err := d.pool.Query(ctx, "SELECT id, balance FROM "+d.accounts+" ORDER BY id")
+	rows, err := d.st.db.QueryContext(ctx, "SELECT id, balance FROM "+d.accounts+" ORDER BY id")
 	if err != nil {
 		return 0, fmt.Errorf("read balances: %w", err)
 	}
 	type account struct{ ID, Balance int64 }
-	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[account])
+	got, err := collect(rows, func(r *sql.Rows) (a account, err error) { return a, r.Scan(&a.ID, &a.Balance) })
 	if err != nil {
 		return 0, fmt.Errorf("read balances: %w", err)
 	}
@@ -732,12 +730,12 @@ func (d *demo) verifyPoison(ctx context.Context) (poisonRuns, error) {
 		Attempts     int
 		DeadLettered bool
 	}
-	rows, err := d.pool.Query(ctx, "SELECT message_id, attempts, dead_lettered_at IS NOT NULL FROM "+d.attemptsTable()+
-		" WHERE consumer_name = $1 AND message_id = ANY($2::text[])", consumerName, d.w.poisonIDs)
+	rows, err := d.st.db.QueryContext(ctx, d.st.q("SELECT message_id, attempts, dead_lettered_at IS NOT NULL FROM "+d.st.attemptsTable+
+		" WHERE consumer_name = $1"), consumerName)
 	if err != nil {
 		return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
 	}
-	attempts, err := pgx.CollectRows(rows, pgx.RowToStructByPos[attemptsRow])
+	attempts, err := collect(rows, func(r *sql.Rows) (a attemptsRow, err error) { return a, r.Scan(&a.ID, &a.Attempts, &a.DeadLettered) })
 	if err != nil {
 		return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
 	}
@@ -750,11 +748,11 @@ func (d *demo) verifyPoison(ctx context.Context) (poisonRuns, error) {
 		ID  string
 		Run int
 	}
-	rows, err = d.pool.Query(ctx, "SELECT message_id, consumer_run FROM "+d.rejections)
+	rows, err = d.st.db.QueryContext(ctx, "SELECT message_id, consumer_run FROM "+d.rejections)
 	if err != nil {
 		return poisonRuns{}, fmt.Errorf("read the rejection log: %w", err)
 	}
-	rejections, err := pgx.CollectRows(rows, pgx.RowToStructByPos[rejection])
+	rejections, err := collect(rows, func(r *sql.Rows) (j rejection, err error) { return j, r.Scan(&j.ID, &j.Run) })
 	if err != nil {
 		return poisonRuns{}, fmt.Errorf("read the rejection log: %w", err)
 	}
@@ -786,12 +784,33 @@ func (d *demo) verifyPoison(ctx context.Context) (poisonRuns, error) {
 // verifyReceipts checks the receipts counted downstream: one per unique payment, for its
 // account and amount (their sum is the sum of the balances).
 func (d *demo) verifyReceipts(ctx context.Context, unique, total int64) error {
-	var n, payments, published, sum int64
-	err := d.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT payment_id),
-			count(DISTINCT payment_id) FILTER (WHERE payment_id = ANY($1::text[])), coalesce(sum(amount_cents), 0)
-		FROM `+d.receipts, d.w.ids).Scan(&n, &payments, &published, &sum)
+	rows, err := d.st.db.QueryContext(ctx, "SELECT payment_id, amount_cents FROM "+d.receipts)
 	if err != nil {
 		return fmt.Errorf("read receipts: %w", err)
+	}
+	type counted struct {
+		payment string
+		amount  int64
+	}
+	got, err := collect(rows, func(r *sql.Rows) (c counted, err error) { return c, r.Scan(&c.payment, &c.amount) })
+	if err != nil {
+		return fmt.Errorf("read receipts: %w", err)
+	}
+	isPayment := make(map[string]bool, len(d.w.ids))
+	for _, id := range d.w.ids {
+		isPayment[id] = true
+	}
+	distinct := map[string]bool{}
+	var sum int64
+	for _, c := range got {
+		distinct[c.payment] = true
+		sum += c.amount
+	}
+	n, payments, published := int64(len(got)), int64(len(distinct)), int64(0)
+	for id := range distinct {
+		if isPayment[id] {
+			published++
+		}
 	}
 	if n != unique || payments != unique || published != unique || sum != total {
 		return fmt.Errorf("receipts: %d counted for %d payments (%d of them published unique payments), %d cents; want %d receipts, one per unique payment, %d cents",
@@ -807,8 +826,8 @@ func (d *demo) cleanup() error {
 	if err := d.broker.Cleanup(ctx); err != nil {
 		return fmt.Errorf("cleanup: %w", err)
 	}
-	if _, err := d.pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{d.schema}.Sanitize()+" CASCADE"); err != nil {
-		return fmt.Errorf("cleanup: drop schema: %w", err)
+	if err := d.st.drop(ctx); err != nil {
+		return fmt.Errorf("cleanup: %w", err)
 	}
 	return nil
 }

@@ -92,6 +92,31 @@
 //     (bounded by CloseTimeout). A graceful stop republishes at most the row in flight and
 //     logs no error.
 //
+// # On MySQL and MariaDB (sqlstore's MySQL dialect)
+//
+// With sqlstore.MySQL, Store writes watermill-sql's MySQL queue schema (MySQLQueueSchema) in
+// the inbox's *sql.Tx, and a Relay with RelayConfig.MySQL (a *sql.DB) reads it with the
+// queue's adapter; InitializeMySQLSchema creates the table:
+//
+//	if err := outbox.InitializeMySQLSchema(ctx, db, cfg); err != nil { ... }
+//	relay, _ := outbox.NewRelay(outbox.RelayConfig{Config: cfg, MySQL: db, Publisher: amqpPub}, logger)
+//
+// Each poll selects the rows not yet acknowledged in `offset` order (SELECT ... FOR UPDATE
+// under SERIALIZABLE, watermill-sql's choice) and deletes the published ones when the batch
+// commits, so the table holds only pending rows. Not watermill-sql's offset-based MySQL
+// schema: `offset` is AUTO_INCREMENT, assigned when an INSERT starts, so a relay reading
+// "offset > the acked offset" could ack past a lower offset whose row was not in the index
+// yet and never read it (the billing demo lost 2 receipts of 2000 that way). A row is relayed
+// once its transaction committed, and never when it rolled back (TestOutboxOnSQLStoreMySQL in
+// package sqlstore). The queue has no consumer groups (RelayConfig.ConsumerGroup must be
+// empty): relays on one table take turns on its row locks. A poll that meets a row still
+// uncommitted waits for it, so a long inbox transaction that wrote outbox rows stalls the
+// relay until it ends, and a poll's next-key locks make other transactions' outbox INSERTs
+// wait for it; a deadlock between them (MySQL 1213) is retried, by the inbox or by the relay's
+// next poll. The rest of this documentation holds on MySQL too, except what names
+// PostgreSQL's snapshots, offsets tables and SQLSTATEs; rows have no transaction id
+// (MalformedRow.TransactionID is 0), and GrantSQL and SchemaSQL are PostgreSQL's only.
+//
 // # Schema
 //
 // InitializeSchema creates the outbox table, "watermill_<topic>", and the relay's offsets

@@ -24,7 +24,8 @@ const (
 type MalformedRow struct {
 	// Offset is the row's "offset" column (the BIGSERIAL of the outbox table).
 	Offset int64
-	// TransactionID is the row's transaction_id column (xid8).
+	// TransactionID is the row's transaction_id column (xid8); 0 on MySQL, whose outbox table
+	// has none.
 	TransactionID uint64
 	// UUID is the row's uuid column (the envelope's UUID), as stored.
 	UUID string
@@ -53,6 +54,31 @@ func (s relaySchema) UnmarshalMessage(params wmsql.UnmarshalMessageParams) (wmsq
 	if err := params.Row.Scan(&r.Offset, &txID, &r.UUID, &r.Payload, &r.Metadata); err != nil {
 		return wmsql.Row{}, fmt.Errorf("could not scan message row: %w", err)
 	}
+	r.Msg = rowMessage(r, uint64(txID))
+	r.ExtraData = map[string]any{"transaction_id": txID}
+	return r, nil
+}
+
+// mysqlRelaySchema is relaySchema's counterpart on watermill-sql's MySQL queue schema, whose
+// rows have no transaction id (reported as 0): watermill-sql v4.1.2's MySQL UnmarshalMessage
+// fails the whole poll on an unreadable metadata column too.
+type mysqlRelaySchema struct {
+	wmsql.MySQLQueueSchema
+}
+
+func (s mysqlRelaySchema) UnmarshalMessage(params wmsql.UnmarshalMessageParams) (wmsql.Row, error) {
+	r := wmsql.Row{}
+	if err := params.Row.Scan(&r.Offset, &r.UUID, &r.Payload, &r.Metadata); err != nil {
+		return wmsql.Row{}, fmt.Errorf("could not scan message row: %w", err)
+	}
+	r.Msg = rowMessage(r, 0)
+	return r, nil
+}
+
+// rowMessage is the message of an outbox row as read (payload: the envelope), its metadata
+// the row's JSON object, or the malformed mark when the column is not a JSON object of
+// strings, with the row's offset and transaction id added.
+func rowMessage(r wmsql.Row, txID uint64) *message.Message {
 	msg := message.NewMessage(string(r.UUID), r.Payload)
 	var md message.Metadata
 	if len(r.Metadata) > 0 {
@@ -64,11 +90,9 @@ func (s relaySchema) UnmarshalMessage(params wmsql.UnmarshalMessageParams) (wmsq
 		md = message.Metadata{}
 	}
 	md[rowOffsetKey] = strconv.FormatInt(r.Offset, 10)
-	md[rowTxKey] = strconv.FormatUint(uint64(txID), 10)
+	md[rowTxKey] = strconv.FormatUint(txID, 10)
 	msg.Metadata = md
-	r.Msg = msg
-	r.ExtraData = map[string]any{"transaction_id": txID}
-	return r, nil
+	return msg
 }
 
 // envelopeShape is components/forwarder's envelope as its unwrapping decodes it.

@@ -17,14 +17,15 @@ import (
 )
 
 // ErrNotPgxTx is returned (wrapping inbox.ErrInvalidConfig) by Outbox.Store when its context
-// carries no PostgreSQL inbox transaction: neither pgstore's (pgstore.TxFromContext) nor
-// sqlstore's on its PostgreSQL dialect (sqlstore.TxFromContext). The outbox writes
-// watermill-sql's PostgreSQL schema, so sqlstore's MySQL dialect gets it too. It is a wiring
-// error, not permanent.
-var ErrNotPgxTx = fmt.Errorf("%w: outbox: no PostgreSQL inbox transaction in the context (the inbox must use pgstore, or sqlstore with sqlstore.PostgreSQL)", inbox.ErrInvalidConfig)
+// carries no inbox transaction: neither pgstore's (pgstore.TxFromContext) nor sqlstore's
+// (sqlstore.TxFromContext, either dialect). It is a wiring error, not permanent. (The name
+// predates sqlstore; it is kept for callers that test for it.)
+var ErrNotPgxTx = fmt.Errorf("%w: outbox: no inbox transaction in the context (the inbox must use pgstore or sqlstore)", inbox.ErrInvalidConfig)
 
 // Outbox implements inbox.Outbox with Watermill's components: a watermill-sql v4 Publisher on
-// the inbox's pgx transaction (sql.TxFromPgx), decorated by components/forwarder's Publisher,
+// the inbox's transaction (sql.TxFromPgx for pgstore's, sql.TxFromStdSQL for sqlstore's;
+// watermill-sql's PostgreSQL schema, or its MySQL queue schema on sqlstore's MySQL dialect),
+// decorated by components/forwarder's Publisher,
 // so every produced message is inserted, in the inbox transaction, into the one outbox topic
 // inside a forwarder envelope naming its destination topic. The rows commit or roll back with
 // the claim and the business writes; the Relay publishes them afterwards.
@@ -35,9 +36,10 @@ var ErrNotPgxTx = fmt.Errorf("%w: outbox: no PostgreSQL inbox transaction in the
 //
 // It is safe for concurrent use: each Store call builds its publisher on its own transaction.
 type Outbox struct {
-	cfg    Config
-	schema wmsql.DefaultPostgreSQLSchema
-	logger watermill.LoggerAdapter
+	cfg         Config
+	schema      wmsql.DefaultPostgreSQLSchema
+	mysqlSchema wmsql.MySQLQueueSchema
+	logger      watermill.LoggerAdapter
 }
 
 var _ inbox.Outbox = (*Outbox)(nil)
@@ -51,7 +53,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Outbox{cfg: cfg, schema: cfg.schemaAdapter(0), logger: redact(logger)}, nil
+	return &Outbox{cfg: cfg, schema: cfg.schemaAdapter(0), mysqlSchema: cfg.mysqlSchemaAdapter(0), logger: redact(logger)}, nil
 }
 
 // Config returns the configuration with defaults filled.
@@ -59,25 +61,18 @@ func (o *Outbox) Config() Config { return o.cfg }
 
 // Store implements inbox.Outbox: it inserts msgs, enveloped for topic, into the outbox table in
 // the inbox transaction ctx carries (pgstore.TxFromContext, or sqlstore.TxFromContext on
-// sqlstore's PostgreSQL dialect), in one INSERT statement, in
-// order. It does not commit: the inbox does. The caller's messages are not modified.
+// either dialect: MessagesTable on PostgreSQL, MySQLMessagesTable on MySQL), in one INSERT
+// statement, in order. It does not commit: the inbox does. The caller's messages are not modified.
 //
-// Errors: ErrNotPgxTx for a context without a PostgreSQL inbox transaction; an *inbox.InvalidKeyError (permanent) for a
+// Errors: ErrNotPgxTx for a context without an inbox transaction; an *inbox.InvalidKeyError (permanent) for a
 // message whose UUID a downstream inbox would refuse (empty, over inbox.MaxKeyBytes, invalid
 // UTF-8, NUL); a permanent error for a nil message, an empty topic, or metadata that is not
-// valid UTF-8 (the JSON envelope would silently alter it); otherwise watermill-sql's or pgx's
-// error, wrapped. Errors name message UUIDs and metadata keys, never payloads or values.
+// valid UTF-8 (the JSON envelope would silently alter it); otherwise watermill-sql's or the
+// driver's error, wrapped. Errors name message UUIDs and metadata keys, never payloads or values.
 func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Message) error {
-	var exec wmsql.ContextExecutor
-	if tx, ok := pgstore.TxFromContext(ctx); ok {
-		exec = wmsql.TxFromPgx(tx)
-	} else if tx, postgres, ok := sqltx.From(ctx); ok {
-		if !postgres {
-			return ErrNotPgxTx
-		}
-		exec = wmsql.TxFromStdSQL(tx)
-	} else {
-		return ErrNotPgxTx
+	exec, schema, table, err := o.target(ctx)
+	if err != nil {
+		return err
 	}
 	if topic == "" || !utf8.ValidString(topic) {
 		return inbox.Permanent(errors.New("outbox: destination topic must be non-empty valid UTF-8"))
@@ -94,7 +89,7 @@ func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Messag
 		copies[i] = c
 	}
 	sqlPub, err := wmsql.NewPublisher(exec, wmsql.PublisherConfig{
-		SchemaAdapter: o.schema,
+		SchemaAdapter: schema,
 		// Refused by watermill-sql on a transaction anyway: CREATE TABLE could commit it.
 		AutoInitializeSchema: false,
 	}, o.logger)
@@ -103,12 +98,28 @@ func (o *Outbox) Store(ctx context.Context, topic string, msgs []*message.Messag
 	}
 	pub := forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: o.cfg.Topic})
 	if err := pub.Publish(topic, copies...); err != nil {
-		return fmt.Errorf("outbox: inserting %d messages into %s: %w", len(msgs), o.cfg.MessagesTable(), err)
+		return fmt.Errorf("outbox: inserting %d messages into %s: %w", len(msgs), table, err)
 	}
 	// The SQL publisher holds nothing but the transaction it was given; Close only marks it
 	// closed. The transaction is the inbox's to commit.
 	_ = pub.Close()
 	return nil
+}
+
+// target returns the inbox transaction ctx carries as watermill-sql's executor, the schema
+// adapter of its database and the quoted outbox table, or ErrNotPgxTx.
+func (o *Outbox) target(ctx context.Context) (wmsql.ContextExecutor, wmsql.SchemaAdapter, string, error) {
+	if tx, ok := pgstore.TxFromContext(ctx); ok {
+		return wmsql.TxFromPgx(tx), o.schema, o.cfg.MessagesTable(), nil
+	}
+	tx, postgres, ok := sqltx.From(ctx)
+	switch {
+	case !ok:
+		return nil, nil, "", ErrNotPgxTx
+	case postgres:
+		return wmsql.TxFromStdSQL(tx), o.schema, o.cfg.MessagesTable(), nil
+	}
+	return wmsql.TxFromStdSQL(tx), o.mysqlSchema, o.cfg.MySQLMessagesTable(), nil
 }
 
 // outboxCopy validates m and returns a copy carrying its UUID, payload and metadata (a non-nil

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -537,11 +538,16 @@ func TestConfigValidation(t *testing.T) {
 	if got := (outbox.Config{Schema: "s"}).OffsetsTable(); got != `"s"."watermill_offsets_inbox_outbox"` {
 		t.Errorf("qualified offsets table %s", got)
 	}
+	if got := (outbox.Config{Schema: "s"}).MySQLMessagesTable(); got != "`s`.`watermill_inbox_outbox`" {
+		t.Errorf("qualified MySQL messages table %s", got)
+	}
 
 	sch := testenv.NewSchema(t, 1)
 	pub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	for name, c := range map[string]outbox.RelayConfig{
 		"no pool":        {Publisher: pub},
+		"pool and MySQL": {Pool: sch.Pool, MySQL: &sql.DB{}, Publisher: pub},
+		"MySQL group":    {MySQL: &sql.DB{}, Publisher: pub, ConsumerGroup: "g"},
 		"no publisher":   {Pool: sch.Pool},
 		"bad topic":      {Pool: sch.Pool, Publisher: pub, Config: outbox.Config{Topic: "a.b"}},
 		"negative batch": {Pool: sch.Pool, Publisher: pub, BatchSize: -1},
@@ -555,6 +561,9 @@ func TestConfigValidation(t *testing.T) {
 	}
 	if err := outbox.InitializeSchema(t.Context(), nil, outbox.Config{}); !errors.Is(err, inbox.ErrInvalidConfig) {
 		t.Errorf("InitializeSchema(nil pool): %v", err)
+	}
+	if err := outbox.InitializeMySQLSchema(t.Context(), nil, outbox.Config{}); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Errorf("InitializeMySQLSchema(nil db): %v", err)
 	}
 }
 

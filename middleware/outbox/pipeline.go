@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wmsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 )
 
 // relayTx is one poll of the relay's watermill-sql subscriber: its REPEATABLE READ
@@ -17,7 +16,7 @@ import (
 // RelayConfig.MaxInFlight at once) while the subscriber hands the forwarder the next rows.
 // Commit stores the batch's offset only once every one of them was confirmed by the broker.
 type relayTx struct {
-	tx      pgx.Tx
+	tx      pollTx
 	relay   *Relay
 	started time.Time
 
@@ -104,7 +103,7 @@ func (t *relayTx) Commit() error {
 	ctx, cancel := r.detached(context.Background())
 	defer cancel()
 	if err := t.failure(); err != nil {
-		_ = t.tx.Rollback(ctx)
+		_ = t.tx.rollback(ctx)
 		r.stats.failedBatches.Add(1)
 		r.report(t, false)
 		select {
@@ -113,7 +112,7 @@ func (t *relayTx) Commit() error {
 		}
 		return errBatchFailed
 	}
-	if err := t.tx.Commit(ctx); err != nil {
+	if err := t.tx.commit(ctx); err != nil {
 		r.report(t, false)
 		return err
 	}
@@ -134,7 +133,7 @@ func (t *relayTx) Rollback() error {
 	t.wg.Wait()
 	ctx, cancel := t.relay.detached(context.Background())
 	defer cancel()
-	err := t.tx.Rollback(ctx)
+	err := t.tx.rollback(ctx)
 	t.mu.Lock()
 	n := t.published
 	t.mu.Unlock()

@@ -50,8 +50,38 @@ func (d relayDB) BeginTx(ctx context.Context, opts *stdsql.TxOptions) (wmsql.Tx,
 	if err != nil {
 		return nil, err
 	}
-	return &relayTx{tx: tx, relay: d.relay, started: time.Now()}, nil
+	return &relayTx{tx: pgxPollTx{tx: tx, logger: d.relay.logger}, relay: d.relay, started: time.Now()}, nil
 }
+
+// pollTx is the transaction of one relay poll: pgx's (pgxPollTx) or database/sql's on MySQL
+// (sqlPollTx). Rows it returns log the errors watermill-sql would drop.
+type pollTx interface {
+	exec(ctx context.Context, query string, args ...any) (wmsql.Result, error)
+	query(ctx context.Context, query string, args ...any) (wmsql.Rows, error)
+	commit(ctx context.Context) error
+	rollback(ctx context.Context) error
+}
+
+type pgxPollTx struct {
+	tx     pgx.Tx
+	logger watermill.LoggerAdapter
+}
+
+func (t pgxPollTx) exec(ctx context.Context, query string, args ...any) (wmsql.Result, error) {
+	tag, err := t.tx.Exec(ctx, query, args...)
+	return result{tag}, err
+}
+
+func (t pgxPollTx) query(ctx context.Context, query string, args ...any) (wmsql.Rows, error) {
+	rows, err := t.tx.Query(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	return relayRows{rows: rows, logger: t.logger}, nil
+}
+
+func (t pgxPollTx) commit(ctx context.Context) error   { return t.tx.Commit(ctx) }
+func (t pgxPollTx) rollback(ctx context.Context) error { return t.tx.Rollback(ctx) }
 
 func (d relayDB) ExecContext(ctx context.Context, query string, args ...any) (wmsql.Result, error) {
 	tag, err := d.pool.Exec(ctx, query, args...)
@@ -79,16 +109,11 @@ func (r *Relay) detached(ctx context.Context) (context.Context, context.CancelFu
 func (t *relayTx) ExecContext(ctx context.Context, query string, args ...any) (wmsql.Result, error) {
 	ctx, cancel := t.relay.detached(ctx)
 	defer cancel()
-	tag, err := t.tx.Exec(ctx, query, args...)
-	return result{tag}, err
+	return t.tx.exec(ctx, query, args...)
 }
 
 func (t *relayTx) QueryContext(ctx context.Context, query string, args ...any) (wmsql.Rows, error) {
-	rows, err := t.tx.Query(ctx, query, args...)
-	if err != nil {
-		return nil, err
-	}
-	return relayRows{rows: rows, logger: t.relay.logger}, nil
+	return t.tx.query(ctx, query, args...)
 }
 
 // relayRows adapts pgx.Rows to watermill-sql's Rows and logs the error it would drop.

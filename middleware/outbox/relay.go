@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	stdsql "database/sql"
 	"errors"
 	"fmt"
 	"hash/maphash"
@@ -52,9 +53,17 @@ type RelayConfig struct {
 	// Config names the outbox the relay reads; it must equal the Outbox's.
 	Config
 
-	// Pool is the connection pool the relay's watermill-sql subscriber reads the outbox with
-	// (required). The relay holds one connection while it polls or forwards a batch.
+	// Pool is the PostgreSQL connection pool the relay's watermill-sql subscriber reads the
+	// outbox with. The relay holds one connection while it polls or forwards a batch. Exactly
+	// one of Pool and MySQL is required.
 	Pool *pgxpool.Pool
+	// MySQL is the MySQL or MariaDB database (go-sql-driver/mysql) the relay reads the outbox
+	// with, through watermill-sql's MySQL queue schema and adapter, instead of Pool: the
+	// outbox of sqlstore's MySQL dialect. Relayed rows are deleted; ConsumerGroup must be
+	// empty (the queue has no consumer groups). The relay holds one connection while it polls
+	// or forwards a batch; its polls are SERIALIZABLE (watermill-sql's choice for MySQL, see
+	// the package documentation).
+	MySQL *stdsql.DB
 	// Publisher publishes the unwrapped messages to their destination topics: the real broker
 	// (required). The relay never closes it.
 	Publisher message.Publisher
@@ -144,16 +153,17 @@ func (c *RelayConfig) setDefaults() {
 	}
 }
 
-// Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Config, a missing
-// Pool or Publisher, an invalid ConsumerGroup, a BatchSize or MaxInFlight below 1 or a
+// Validate returns an error wrapping inbox.ErrInvalidConfig for an invalid Config, neither or
+// both of Pool and MySQL, a missing Publisher, an invalid ConsumerGroup (any but "" with
+// MySQL), a BatchSize or MaxInFlight below 1 or a
 // negative duration.
 // NewRelay calls it after filling defaults.
 func (c RelayConfig) Validate() error {
 	if err := c.Config.Validate(); err != nil {
 		return err
 	}
-	if c.Pool == nil {
-		return fmt.Errorf("%w: outbox relay: Pool is required", inbox.ErrInvalidConfig)
+	if (c.Pool == nil) == (c.MySQL == nil) {
+		return fmt.Errorf("%w: outbox relay: exactly one of Pool and MySQL is required", inbox.ErrInvalidConfig)
 	}
 	if c.Publisher == nil {
 		return fmt.Errorf("%w: outbox relay: Publisher is required", inbox.ErrInvalidConfig)
@@ -162,6 +172,9 @@ func (c RelayConfig) Validate() error {
 		utf8.RuneCountInString(c.ConsumerGroup) > maxConsumerGroupChars {
 		return fmt.Errorf("%w: outbox relay: ConsumerGroup must be valid UTF-8 without NUL, at most %d characters",
 			inbox.ErrInvalidConfig, maxConsumerGroupChars)
+	}
+	if c.MySQL != nil && c.ConsumerGroup != "" {
+		return fmt.Errorf("%w: outbox relay: the MySQL outbox is a queue without consumer groups: ConsumerGroup must be empty", inbox.ErrInvalidConfig)
 	}
 	if c.BatchSize < 1 {
 		return fmt.Errorf("%w: outbox relay: BatchSize must be at least 1", inbox.ErrInvalidConfig)
@@ -225,7 +238,7 @@ func NewRelay(cfg RelayConfig, logger watermill.LoggerAdapter) (*Relay, error) {
 		runDone:  make(chan struct{}),
 	}
 	ackDeadline := cfg.AckDeadline
-	sub, err := wmsql.NewSubscriber(relayDB{pool: cfg.Pool, relay: r}, wmsql.SubscriberConfig{
+	subCfg := wmsql.SubscriberConfig{
 		ConsumerGroup:  cfg.ConsumerGroup,
 		AckDeadline:    &ackDeadline,
 		PollInterval:   cfg.PollInterval,
@@ -235,7 +248,14 @@ func NewRelay(cfg RelayConfig, logger watermill.LoggerAdapter) (*Relay, error) {
 		OffsetsAdapter: cfg.offsetsAdapter(),
 		// InitializeSchema outside the subscriber: see the package-level InitializeSchema.
 		InitializeSchema: false,
-	}, logger)
+	}
+	var db wmsql.Beginner = relayDB{pool: cfg.Pool, relay: r}
+	if cfg.MySQL != nil {
+		db = mysqlRelayDB{db: cfg.MySQL, relay: r}
+		subCfg.SchemaAdapter = mysqlRelaySchema{cfg.mysqlSchemaAdapter(cfg.BatchSize)}
+		subCfg.OffsetsAdapter = cfg.mysqlOffsetsAdapter()
+	}
+	sub, err := wmsql.NewSubscriber(db, subCfg, logger)
 	if err != nil {
 		return nil, fmt.Errorf("outbox relay: creating the SQL subscriber: %w", err)
 	}
@@ -284,6 +304,9 @@ func (r *Relay) Run(ctx context.Context) error {
 // checkTables fails fast, before the forwarder's router starts, when InitializeSchema has not
 // run: the router cannot be closed cleanly after a failed start.
 func (r *Relay) checkTables(ctx context.Context) error {
+	if r.cfg.MySQL != nil {
+		return r.checkMySQLTables(ctx)
+	}
 	for _, t := range []string{r.cfg.MessagesTable(), r.cfg.OffsetsTable()} {
 		if _, err := r.cfg.Pool.Exec(ctx, "SELECT FROM "+t+" LIMIT 0"); err != nil {
 			return fmt.Errorf("outbox relay: table %s is not usable (call outbox.InitializeSchema first): %w", t, err)

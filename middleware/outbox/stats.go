@@ -72,12 +72,16 @@ type RelayLag struct {
 	OffsetGap int64
 }
 
-// Lag reads the relay's consumer group's backlog from PostgreSQL: one statement on the outbox
-// and offsets tables, scanning only the pending rows (an index range on the table's primary
-// key (transaction_id, "offset")). Call it as often as a metrics scrape; its cost grows with
+// Lag reads the relay's consumer group's backlog from the database: one statement on the
+// outbox and offsets tables, scanning only the pending rows (on PostgreSQL an index range on
+// the table's primary key (transaction_id, "offset"); on MySQL the queue's rows, which are
+// only the pending ones, with OldestAge in whole seconds). Call it as often as a metrics scrape; its cost grows with
 // the backlog, not with the table. A group that never ran counts every row as pending.
-// Errors are pgx's, wrapped.
+// Errors are the driver's, wrapped.
 func (r *Relay) Lag(ctx context.Context) (RelayLag, error) {
+	if r.cfg.MySQL != nil {
+		return r.mysqlLag(ctx)
+	}
 	msgs, offs := r.cfg.MessagesTable(), r.cfg.OffsetsTable()
 	q := `WITH g AS (
 		SELECT coalesce((SELECT offset_acked FROM ` + offs + ` WHERE consumer_group = $1), 0) AS offset_acked,

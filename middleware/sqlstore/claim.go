@@ -32,7 +32,7 @@ func TxFromContext(ctx context.Context) (*sql.Tx, bool) {
 }
 
 // DialectFromContext returns the dialect of the inbox transaction ctx carries
-// (TxFromContext), and false outside one. The outbox uses it to refuse MySQL.
+// (TxFromContext), and false outside one: for handler code that writes dialect-specific SQL.
 func DialectFromContext(ctx context.Context) (Dialect, bool) {
 	_, postgres, ok := sqltx.From(ctx)
 	if postgres {

@@ -404,33 +404,6 @@ func (c *batchCounter) ClaimBatch(ctx context.Context, ds []contract.Delivery) (
 	return c.Store.ClaimBatch(ctx, ds)
 }
 
-// TestOutboxOnSQLStoreMySQLIsAConfigError: the outbox writes watermill-sql's PostgreSQL
-// schema (docs/stores.md); on sqlstore's MySQL dialect a handler's output fails the delivery
-// with outbox.ErrNotPgxTx, an inbox.ErrInvalidConfig, and nothing of the delivery commits.
-func TestOutboxOnSQLStoreMySQLIsAConfigError(t *testing.T) {
-	b := newBank(t, sqlstore.MySQL, 8)
-	ob, err := outbox.New(outbox.Config{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ib := b.inbox(func(c *inbox.Config) { c.Outbox = ob })
-	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		if err := b.credit(msg, 1, 100); err != nil {
-			return nil, err
-		}
-		return []*message.Message{message.NewMessage("out-1", []byte(`{}`))}, nil
-	})
-	msg := message.NewMessage("pay-1", []byte(`{}`))
-	msg.SetContext(inbox.ContextWithPublishTopic(ctxT(t), "ledger"))
-	_, err = h(msg)
-	if !errors.Is(err, outbox.ErrNotPgxTx) || !errors.Is(err, inbox.ErrInvalidConfig) {
-		t.Fatalf("delivery with output on sqlstore: %v, want outbox.ErrNotPgxTx", err)
-	}
-	if got, n := b.balance(1), processedRows(t, b.store); got != 0 || n != 0 {
-		t.Fatalf("balance %d, %d rows; want 0, 0", got, n)
-	}
-}
-
 // TestOutboxOnSQLStorePostgreSQL: on sqlstore's PostgreSQL dialect the outbox writes its rows
 // in the inbox's *sql.Tx: a failed delivery leaves none, a processed one leaves one row per
 // produced message with the business write and the claim, and a duplicate produces none again.
