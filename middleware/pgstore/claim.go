@@ -218,7 +218,8 @@ func (r *countFirstResult) scan(row pgx.Row) error {
 
 // notCounted ends a claim whose count_first.sql counted nothing, in one round trip: the
 // stored payload hash, ROLLBACK, the key's session lock released if this session took it
-// (queries/unlock_if_held.sql), the key's record. A stored row is a duplicate; a lock taken
+// (queries/unlock_if_held.sql), the key's record and, for a claim that inserted nothing, the
+// duplicate's age (queries/duplicate_age.sql). A stored row is a duplicate; a lock taken
 // means the key is dead-lettered (contract.Decide says so from the record); any other case is
 // a key held by a delivery in flight (errKeyHeld), including a claim that took the key's lock
 // after its count found it held: it is claimed again, to be counted before its handler.
@@ -246,6 +247,10 @@ func (t *claimTx) notCounted(ctx context.Context, d contract.Delivery, claimed b
 		b.Queue(s.q.record.sql, s.q.record.args(a)...).QueryRow(func(row pgx.Row) error {
 			return scanRecord(row, &rec)
 		})
+		if !claimed {
+			// A duplicate's age, as endDuplicate adds it (nothing without a stored row).
+			b.Queue(s.q.duplicateAge.sql, s.q.duplicateAge.args(a)...)
+		}
 		if err := t.conn.Conn().SendBatch(ctx, b).Close(); err != nil {
 			// The key's session lock may be left with the connection: close it.
 			_ = t.conn.Conn().Close(ctx)
