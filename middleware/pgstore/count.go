@@ -13,17 +13,23 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 )
 
-// The group commit of counts. A delivery that counts first (its broker does not mark it as a
-// first delivery) is counted durably after its claim and before its handler, in a transaction
-// of its own: a crash of the consumer inside the handler still uses up an attempt. One such
-// transaction per delivery costs about half of a bare transaction's rate on this machine
-// (docs/benchmarks.md), so the counts of all the deliveries that ask while one count statement
-// runs are written by the next one (queries/count.sql), as PostgreSQL groups WAL flushes. The
-// statements run one at a time on a connection of their own, outside the pool (the deliveries
-// waiting for a count hold pool connections), with synchronous_commit off: a count survives
-// any crash of the consumer and any rollback; only a crash of the PostgreSQL server within
-// wal_writer_delay (200 ms by default) can lose it, which costs a poison message one extra
-// attempt. The connection is closed after counterIdle without a count.
+// The store's count connection. Two kinds of writes must commit while a transaction still
+// holds a key, so that a copy waiting for the key reads them, and cannot wait for a pool
+// connection (the pool may be exhausted by the very deliveries that wait):
+//
+//   - the counts of a batch's members that count first (their broker does not mark them as
+//     first deliveries), after the batch's claims and before its handlers run, in one statement
+//     for the whole batch and for every batch asking while one count statement runs
+//     (queries/count.sql), as PostgreSQL groups WAL flushes;
+//   - the record of a failure (Fail, Drop) or a take-back, while the claim transaction is open
+//     and holds the key's lock.
+//
+// A single claim that counts first counts in its own round trip instead (claim.go,
+// queries/count_first.sql). The statements run one at a time on a connection of their own,
+// outside the pool, with synchronous_commit off: a count survives any crash of the consumer and
+// any rollback; only a crash of the PostgreSQL server within wal_writer_delay (200 ms by
+// default) can lose it, which costs a poison message one extra attempt. The connection is
+// closed after counterIdle without a count.
 
 // counterIdle is how long the count connection stays open without a count.
 const counterIdle = 2 * time.Second
