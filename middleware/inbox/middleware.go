@@ -34,8 +34,9 @@ type Stats struct {
 	Duplicates uint64
 	// Failed counts deliveries the middleware returned an error for (the router nacks).
 	Failed uint64
-	// InvalidKeys counts deliveries whose key was invalid, whatever became of them (failed,
-	// or dead-lettered when a dead-letter topic is configured).
+	// InvalidKeys counts deliveries whose key was invalid, or whose route named no store
+	// (Config.Stores: a *RouteError), whatever became of them (failed, or dead-lettered when a
+	// dead-letter topic is configured).
 	InvalidKeys uint64
 	// TxRetries counts in-process transaction retries after a Retryable conflict.
 	TxRetries uint64
@@ -140,6 +141,9 @@ func (i *Inbox) ConsumerName() string { return i.cfg.ConsumerName }
 //     retried with a fresh claim up to MaxTxRetries times, then the error is returned.
 //   - Invalid key: an *InvalidKeyError (IsPermanent reports true); nothing is claimed and h
 //     does not run.
+//   - With Config.Stores, a message Config.Route names no store for: a *RouteError
+//     (permanent); nothing is claimed on any database and h does not run. Every other step
+//     runs on the store of the message's route.
 //
 // With a dead-letter topic (Config.DeadLetterPublisher), a message is dead-lettered and acked
 // after MaxAttempts failed attempts or on a permanent error; see docs/design.md for exactly

@@ -20,6 +20,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/watermill-inbox/watermill-inbox/internal/storetest"
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
@@ -542,5 +543,57 @@ func TestStoresOneDatabaseDownOthersFlow(t *testing.T) {
 				t.Logf("%s database: a's and b's 40 messages in %v", fault.name, took)
 			})
 		}
+	}
+}
+
+// TestStoresConfig checks what New refuses about Store, Stores and Route, and that
+// RouteFromMetadata refuses broker-side fields.
+func TestStoresConfig(t *testing.T) {
+	a, b := storetest.NewMemStore(), storetest.NewMemStore()
+	route := routeByTenant(t)
+	for name, cfg := range map[string]inbox.Config{
+		"neither":              {},
+		"both":                 {Store: a, Stores: map[string]inbox.Store{"a": a}, Route: route},
+		"empty Stores":         {Stores: map[string]inbox.Store{}, Route: route},
+		"Stores without Route": {Stores: map[string]inbox.Store{"a": a}},
+		"Route without Stores": {Store: a, Route: route},
+		"nil store":            {Stores: map[string]inbox.Store{"a": a, "b": nil}, Route: route},
+		"empty route name":     {Stores: map[string]inbox.Store{"": a}, Route: route},
+	} {
+		cfg.ConsumerName = "billing"
+		if _, err := inbox.New(cfg, nil); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("%s: got %v, want ErrInvalidConfig", name, err)
+		}
+	}
+	// Two routes may share a store (two small tenants on one database).
+	if _, err := inbox.New(inbox.Config{Stores: map[string]inbox.Store{"a": a, "a2": a, "b": b}, Route: route, ConsumerName: "billing"}, nil); err != nil {
+		t.Errorf("two routes on one store: %v", err)
+	}
+	if _, err := inbox.RouteFromMetadata("x-delivery-count"); !errors.Is(err, inbox.ErrBrokerSideKey) {
+		t.Errorf("RouteFromMetadata(x-delivery-count): %v, want ErrBrokerSideKey", err)
+	}
+	if _, err := inbox.RouteFromMetadata(" "); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Errorf("RouteFromMetadata(blank): %v, want ErrInvalidConfig", err)
+	}
+}
+
+// TestStoresReplayOnEveryStore: Replay by message ID, which names no route, finds the
+// dead-lettered key on whichever store holds it.
+func TestStoresReplayOnEveryStore(t *testing.T) {
+	a, b := storetest.NewMemStore(), storetest.NewMemStore()
+	ib, err := inbox.New(inbox.Config{Stores: map[string]inbox.Store{"a": a, "b": b}, Route: routeByTenant(t), ConsumerName: "billing"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := inbox.Key{MessageID: "pay-1", ConsumerName: "billing"}
+	if err := b.MarkDeadLettered(context.Background(), k, "test"); err != nil {
+		t.Fatal(err)
+	}
+	replayed, err := ib.Replay(context.Background(), "pay-1")
+	if err != nil || !replayed {
+		t.Fatalf("Replay: %v, %v; want true", replayed, err)
+	}
+	if again, err := ib.Replay(context.Background(), "pay-1"); err != nil || again {
+		t.Fatalf("second Replay: %v, %v; want false", again, err)
 	}
 }
