@@ -92,14 +92,16 @@ func (c BatchConfig) validate() error {
 	return nil
 }
 
-// batcher gathers deliveries into batches.
+// batcher gathers deliveries into batches, one gathering batch per store: a batch is one
+// transaction, so it never spans two databases (Config.Stores).
 type batcher struct {
 	mu   sync.Mutex
-	open *batch // gathering; nil when none
+	open map[Store]*batch // gathering, by store; absent when none
 }
 
-// batch is a set of deliveries of distinct keys that share one transaction.
+// batch is a set of deliveries of distinct keys, for one store, that share one transaction.
 type batch struct {
+	store   Store
 	members []*member
 	keys    map[Key]struct{}
 	timer   *time.Timer
@@ -185,18 +187,19 @@ func (i *Inbox) settlePanic(d *delivery, p any) error {
 // join adds m to the gathering batch, opening one when none is; it reports false when the
 // batch already holds m's key. A batch starts when it is full or Linger after it opened.
 func (b *batcher) join(i *Inbox, m *member) bool {
+	store := m.d.store
 	b.mu.Lock()
-	bt := b.open
+	bt := b.open[store]
 	if bt == nil {
-		bt = &batch{keys: map[Key]struct{}{}, ran: make(chan memberRun)}
-		b.open = bt
+		bt = &batch{store: store, keys: map[Key]struct{}{}, ran: make(chan memberRun)}
+		b.open[store] = bt
 		bt.timer = time.AfterFunc(i.cfg.Batch.Linger, func() {
 			b.mu.Lock()
-			if b.open != bt {
+			if b.open[store] != bt {
 				b.mu.Unlock()
 				return
 			}
-			b.open = nil
+			delete(b.open, store)
 			b.mu.Unlock()
 			i.runBatch(bt)
 		})
@@ -210,7 +213,7 @@ func (b *batcher) join(i *Inbox, m *member) bool {
 	bt.members = append(bt.members, m)
 	full := len(bt.members) >= i.cfg.Batch.Size
 	if full {
-		b.open = nil
+		delete(b.open, store)
 		bt.timer.Stop()
 	}
 	b.mu.Unlock()
@@ -363,13 +366,13 @@ func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr err
 	bctx := context.WithoutCancel(ms[0].d.ctx)
 	start := time.Now()
 	cctx, cancel := context.WithTimeout(bctx, i.cfg.ClaimTimeout)
-	tx, claims, err := i.cfg.Store.ClaimBatch(cctx, ds)
+	tx, claims, err := bt.store.ClaimBatch(cctx, ds)
 	cancel()
 	for _, m := range ms {
 		m.d.res.Claim = time.Since(start)
 	}
 	if err != nil {
-		return i.batchClaimFailed(ms, err)
+		return i.batchClaimFailed(bt.store, ms, err)
 	}
 	r := &batchRun{i: i, bt: bt, tx: tx, ctx: bctx, ms: ms, in: make([]bool, len(ms))}
 	for k, m := range ms {
@@ -396,10 +399,10 @@ func (i *Inbox) tryBatch(bt *batch, ms []*member) (retry []*member, retryErr err
 }
 
 // batchClaimFailed settles the members of a batch whose claim failed.
-func (i *Inbox) batchClaimFailed(ms []*member, err error) ([]*member, error) {
+func (i *Inbox) batchClaimFailed(s Store, ms []*member, err error) ([]*member, error) {
 	err = fmt.Errorf("inbox: batch claim: %w", err)
 	switch {
-	case i.cfg.Store.Classify(err) == contract.Retryable:
+	case s.Classify(err) == contract.Retryable:
 		return ms, err
 	case !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled):
 		// The claim statement failed for the batch (one member's row refused, such as a
@@ -508,7 +511,7 @@ func errText(err error) string {
 // commit ends the batch with COMMIT (or ROLLBACK when no member is left in it) and settles
 // every member.
 func (r *batchRun) commit() ([]*member, error) {
-	i := r.i
+	i, s := r.i, r.bt.store
 	defer r.finishLater()
 	if !slices.Contains(r.in, true) {
 		_ = r.tx.Rollback(r.ctx)
@@ -527,9 +530,9 @@ func (r *batchRun) commit() ([]*member, error) {
 		case err == nil:
 			m.d.res.Outcome = OutcomeProcessed
 			finish(m, nil)
-		case i.cfg.Store.Classify(err) == contract.Retryable:
+		case s.Classify(err) == contract.Retryable:
 			retry = append(retry, m)
-		case errors.Is(err, ErrCommitRolledBack) && i.cfg.Store.Classify(err) != contract.ConfigFault:
+		case errors.Is(err, ErrCommitRolledBack) && s.Classify(err) != contract.ConfigFault:
 			// Rolled back for certain, and nothing says whose doing it was (a deferred
 			// constraint): each member runs again alone, where a failure is its own.
 			again(m)
@@ -541,7 +544,7 @@ func (r *batchRun) commit() ([]*member, error) {
 		}
 	}
 	if err != nil {
-		i.configurationFault(err)
+		i.configurationFault(s, err)
 	}
 	if len(retry) > 0 {
 		return retry, fmt.Errorf("inbox: batch commit: %w", err)

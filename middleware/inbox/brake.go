@@ -26,7 +26,8 @@ const (
 // with ErrInvalidKeyFlood after Pause instead of dead-lettered, and the inbox logs an ERROR
 // (at most once per 10 seconds). A single bad message among good ones is dead-lettered as
 // before. Zero fields take the Default* values; Disabled turns the brake off. The window is
-// in process memory, per Inbox: each instance brakes on what it sees.
+// in process memory, per Inbox: each instance brakes on what it sees. With Config.Stores a
+// message whose route names no store (a *RouteError) counts as an invalid key.
 type InvalidKeyBrake struct {
 	// Disabled turns the brake off: every invalid key is dead-lettered (with a dead-letter
 	// topic) or returned as permanent.

@@ -65,8 +65,26 @@ const (
 
 // Config configures an Inbox. Zero values take the defaults documented on each field.
 type Config struct {
-	// Store opens transactions and claims messages (required), e.g. pgstore.New(pool, ...).
+	// Store opens transactions and claims messages, e.g. pgstore.New(pool, ...). Required,
+	// unless Stores is set instead.
 	Store Store
+	// Stores, with Route, lets one consumer claim on several databases (a database per
+	// tenant or per shard): route name (a tenant or shard name) to the store of its database,
+	// each migrated there. Several names may share a store. Route picks each message's
+	// store; its claim, its handler (pgstore.TxFromContext is that database's transaction),
+	// its commit, its attempts and its dead-lettered state all live on that database, and a
+	// batch (Batch) never spans two stores. A database that is down fails only the
+	// deliveries routed to it. A message Route cannot place is refused with a *RouteError
+	// (permanent: dead-lettered with a dead-letter topic, never claimed anywhere). Set Store
+	// or Stores, not both. See docs/scaling.md, "A database per tenant or per shard".
+	//
+	// A message ID is deduplicated per database: every copy of a message must carry the
+	// same route, or the copy routed elsewhere is processed a second time; and routes that
+	// share a store share its keys.
+	Stores map[string]Store
+	// Route returns each message's route, a key of Stores (required with Stores, refused
+	// without): RouteFromMetadata("tenant"), or a function of the message's own fields.
+	Route RouteFunc
 	// ConsumerName identifies the handler (required, at most MaxConsumerNameBytes bytes of
 	// UTF-8, no NUL and no control characters: see docs/security.md). It is half of the inbox key, so several handlers consuming the same message each
 	// process it once and never block each other. Keep it stable across deploys: renaming a
@@ -204,10 +222,34 @@ func (c *Config) setDefaults() {
 	}
 	c.InvalidKeyBrake.setDefaults()
 	c.Batch.setDefaults()
-	c.TooOld.setDefaults(c.Store)
+	c.TooOld.setDefaults(c.retentionWindow())
 }
 
-// Validate returns an error wrapping ErrInvalidConfig for a missing Store, an invalid
+// retentionWindow is the shortest retention window among the stores (zero when none has one):
+// the TooOldGuard's default, safe for every database.
+func (c *Config) retentionWindow() time.Duration {
+	var w time.Duration
+	for _, s := range c.stores() {
+		if sw := s.RetentionWindow(); sw > 0 && (w == 0 || sw < w) {
+			w = sw
+		}
+	}
+	return w
+}
+
+// needsProducerTime reports whether a store files claims by producer time.
+func (c *Config) needsProducerTime() bool {
+	for _, s := range c.stores() {
+		if s.NeedsProducerTime() {
+			return true
+		}
+	}
+	return false
+}
+
+// Validate returns an error wrapping ErrInvalidConfig for a missing Store (neither Store nor
+// Stores, or both; Stores empty, with a nil store or a route name that is not valid key
+// material, or without Route; Route without Stores), an invalid
 // ConsumerName, a negative duration, an unsupported isolation level, a dead-letter publisher
 // without a topic (or the reverse), MaxAttempts below 1, a Store that needs producer times
 // without ProducerTime, an unknown collision policy, a Batch setting that is negative, above
@@ -215,8 +257,8 @@ func (c *Config) setDefaults() {
 // without a window (none set and the Store has no retention window) or with a negative
 // duration. New calls it after filling defaults.
 func (c Config) Validate() error {
-	if c.Store == nil {
-		return fmt.Errorf("%w: Store is required", ErrInvalidConfig)
+	if err := c.validateStores(); err != nil {
+		return err
 	}
 	if err := ValidateConsumerName(c.ConsumerName); err != nil {
 		return err
@@ -240,7 +282,7 @@ func (c Config) Validate() error {
 			return err
 		}
 	}
-	if c.Store.NeedsProducerTime() && c.ProducerTime == nil {
+	if c.needsProducerTime() && c.ProducerTime == nil {
 		return fmt.Errorf("%w: the Store files claims by producer time (a partitioned table): set ProducerTime", ErrInvalidConfig)
 	}
 	if c.OnKeyCollision < CollisionDeadLetter || c.OnKeyCollision > CollisionSkip {

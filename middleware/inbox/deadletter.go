@@ -46,7 +46,7 @@ func (i *Inbox) deadLetter(d *delivery, mark bool) error {
 	if mark {
 		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), i.cfg.FinishTimeout)
 		defer cancel()
-		if err := i.cfg.Store.MarkDeadLettered(mctx, d.claim.Key, d.res.Reason); err != nil {
+		if err := d.store.MarkDeadLettered(mctx, d.claim.Key, d.res.Reason); err != nil {
 			// The dead letter is out, so ack anyway: the attempt count stays at the limit,
 			// so a later delivery is dead-lettered again rather than processed.
 			i.logger.Error("Dead letter published but its state not recorded", err, fields)
@@ -72,11 +72,24 @@ func exhaustedReason(earlier, maxAttempts int, lastError string) string {
 // carries in DeadLetterMessageKeyKey) for this consumer, so its next delivery runs the
 // handler again; republish the dead letter to the handler's topic after it. It reports
 // whether the message was dead-lettered, or an *InvalidKeyError for an invalid messageID.
+//
+// With Config.Stores, which do not say where messageID was routed, it replays on every store
+// (the key is dead-lettered on its route's database only) and reports whether any store had it
+// dead-lettered; the errors of the stores that failed are joined. ReplayDeadLetter replays on
+// the dead letter's own route.
 func (i *Inbox) Replay(ctx context.Context, messageID string) (bool, error) {
 	if err := ValidateKey("message ID", messageID); err != nil {
 		return false, err
 	}
-	return i.cfg.Store.Replay(ctx, Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName})
+	k := Key{MessageID: messageID, ConsumerName: i.cfg.ConsumerName}
+	var replayed bool
+	var errs []error
+	for _, s := range i.cfg.stores() {
+		ok, err := s.Replay(ctx, k)
+		replayed = replayed || ok
+		errs = append(errs, err)
+	}
+	return replayed, errors.Join(errs...)
 }
 
 // deadLetterKeys are the metadata keys a dead letter carries that ReplayDeadLetter removes
@@ -95,9 +108,13 @@ var deadLetterKeys = []string{
 // dead-lettered state is restored (best effort) and the error returned; the call can be
 // repeated.
 //
+// With Config.Stores the key is replayed on the store Config.Route names for dl (the dead
+// letter keeps the message's metadata).
+//
 // Errors: ErrInvalidConfig (wrapped) when dl names another consumer (DeadLetterConsumerKey),
 // has no topic_poisoned; an *InvalidKeyError when dl
-// names no valid key (an invalid key's dead letter cannot be replayed); ErrNotDeadLettered
+// names no valid key (an invalid key's dead letter cannot be replayed); a *RouteError when
+// Config.Route names no store for dl; ErrNotDeadLettered
 // when the key is not dead-lettered; the publisher's error.
 func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub message.Publisher) error {
 	if c := dl.Metadata.Get(DeadLetterConsumerKey); c != i.cfg.ConsumerName {
@@ -108,7 +125,14 @@ func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub m
 		return fmt.Errorf("%w: dead letter %s has no %s metadata", ErrInvalidConfig, safeUUID(dl.UUID), wmmiddleware.PoisonedTopicKey)
 	}
 	key := dl.Metadata.Get(DeadLetterMessageKeyKey)
-	replayed, err := i.Replay(ctx, key)
+	if err := ValidateKey("message ID", key); err != nil {
+		return err
+	}
+	store, _, err := i.storeFor(dl) // the dead letter carries the message's metadata, and so its route
+	if err != nil {
+		return err
+	}
+	replayed, err := store.Replay(ctx, Key{MessageID: key, ConsumerName: i.cfg.ConsumerName})
 	if err != nil {
 		return err
 	}
@@ -124,7 +148,7 @@ func (i *Inbox) ReplayDeadLetter(ctx context.Context, dl *message.Message, pub m
 	}
 	m.Metadata.Set(DeadLetterReplayedKey, "true") // the TooOldGuard lets an operator's replay through
 	if err := pub.Publish(topic, m); err != nil {
-		if merr := i.cfg.Store.MarkDeadLettered(context.WithoutCancel(ctx), Key{MessageID: key, ConsumerName: i.cfg.ConsumerName},
+		if merr := store.MarkDeadLettered(context.WithoutCancel(ctx), Key{MessageID: key, ConsumerName: i.cfg.ConsumerName},
 			dl.Metadata.Get(wmmiddleware.ReasonForPoisonedKey)); merr != nil {
 			return fmt.Errorf("inbox: republishing dead letter %s: %w (and restoring its dead-lettered state: %w)", safeUUID(dl.UUID), err, merr)
 		}

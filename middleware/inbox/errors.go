@@ -123,10 +123,10 @@ func Permanent(err error) error {
 }
 
 // IsPermanent reports whether err is, or wraps, an error marked with Permanent, an
-// *InvalidKeyError, ErrProducedMessages, ErrKeyCollision or ErrAckedBeforeHandler: errors that
-// redelivery cannot fix.
+// *InvalidKeyError, a *RouteError, ErrProducedMessages, ErrKeyCollision, ErrAckedBeforeHandler
+// or ErrNoPublishTopic: errors that redelivery cannot fix.
 func IsPermanent(err error) bool {
 	var p permanentError
-	return errors.As(err, &p) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrProducedMessages) ||
+	return errors.As(err, &p) || errors.Is(err, ErrInvalidKey) || errors.Is(err, ErrUnroutable) || errors.Is(err, ErrProducedMessages) ||
 		errors.Is(err, ErrKeyCollision) || errors.Is(err, ErrAckedBeforeHandler) || errors.Is(err, ErrNoPublishTopic)
 }

@@ -34,8 +34,9 @@ type Stats struct {
 	Duplicates uint64
 	// Failed counts deliveries the middleware returned an error for (the router nacks).
 	Failed uint64
-	// InvalidKeys counts deliveries whose key was invalid, whatever became of them (failed,
-	// or dead-lettered when a dead-letter topic is configured).
+	// InvalidKeys counts deliveries whose key was invalid, or whose route named no store
+	// (Config.Stores: a *RouteError), whatever became of them (failed, or dead-lettered when a
+	// dead-letter topic is configured).
 	InvalidKeys uint64
 	// TxRetries counts in-process transaction retries after a Retryable conflict.
 	TxRetries uint64
@@ -90,7 +91,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Inbox, error) {
 	i := &Inbox{cfg: cfg, logger: redact.Escape(logger).With(watermill.LogFields{"consumer_name": cfg.ConsumerName})}
 	i.counting = cfg.DeadLetterPublisher != nil
 	if cfg.Batch.Size > 1 {
-		i.batcher = &batcher{}
+		i.batcher = &batcher{open: map[Store]*batch{}}
 	}
 	if i.counting && i.batcher == nil {
 		i.gate = newGate()
@@ -140,6 +141,9 @@ func (i *Inbox) ConsumerName() string { return i.cfg.ConsumerName }
 //     retried with a fresh claim up to MaxTxRetries times, then the error is returned.
 //   - Invalid key: an *InvalidKeyError (IsPermanent reports true); nothing is claimed and h
 //     does not run.
+//   - With Config.Stores, a message Config.Route names no store for: a *RouteError
+//     (permanent); nothing is claimed on any database and h does not run. Every other step
+//     runs on the store of the message's route.
 //
 // With a dead-letter topic (Config.DeadLetterPublisher), a message is dead-lettered and acked
 // after MaxAttempts failed attempts or on a permanent error; see docs/design.md for exactly
@@ -213,7 +217,8 @@ type delivery struct {
 	msg    *message.Message  // as received; never handed to the handler
 	ctx    context.Context   // msg.Context() at entry
 	claim  contract.Delivery // what the store is asked
-	keyErr error             // the key is invalid (claim.Key is empty)
+	store  Store             // the store claim is asked of (storeFor); nil when keyErr is set
+	keyErr error             // the key or the route is invalid (claim.Key is empty)
 	braked bool              // invalid, during an invalid-key flood (InvalidKeyBrake)
 	// gate is what the delivery holds of the crash-isolation gate; isolationTried is set
 	// once it asked to run alone (isolation.go).
@@ -246,7 +251,7 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 		d.keyErr = err
 	} else {
 		d.claim.Key = Key{MessageID: key, ConsumerName: i.cfg.ConsumerName}
-		d.keyErr = i.checkClaim(msg, source, &d.claim)
+		d.keyErr = i.placeClaim(msg, source, d)
 	}
 	if !i.cfg.InvalidKeyBrake.Disabled {
 		brake, warn := i.keys.observe(i.cfg.InvalidKeyBrake, d.keyErr != nil)
@@ -259,9 +264,13 @@ func (i *Inbox) newDelivery(msg *message.Message) *delivery {
 		}
 	}
 	if d.keyErr != nil {
-		d.claim.Key = Key{}
+		d.claim.Key, d.store = Key{}, nil
 		i.invalidKeys.Add(1)
-		i.logger.Error("Message refused: invalid key", d.keyErr, watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
+		why := "Message refused: invalid key"
+		if errors.Is(d.keyErr, ErrUnroutable) {
+			why = "Message refused: no store for its route"
+		}
+		i.logger.Error(why, d.keyErr, watermill.LogFields{"message_uuid": safeUUID(msg.UUID)})
 		return d
 	}
 	d.res.Key = d.claim.Key
@@ -365,13 +374,13 @@ func (i *Inbox) try(d *delivery, h message.HandlerFunc) *failure {
 	claimCtx, cancel := context.WithTimeout(phaseCtx, i.cfg.ClaimTimeout)
 	q := d.claim
 	q.Isolate = i.gate != nil && d.gate == gateShared && !d.isolationTried
-	tx, c, err := i.cfg.Store.Claim(claimCtx, q)
+	tx, c, err := d.store.Claim(claimCtx, q)
 	cancel()
 	d.res.Claim = time.Since(start)
 	endClaim(err)
 	if err != nil {
 		err = fmt.Errorf("inbox: claim: %w", err)
-		i.configurationFault(err) // a missing privilege or table is logged at ERROR
+		i.configurationFault(d.store, err) // a missing privilege or table is logged at ERROR
 		return &failure{kind: failInfrastructure, err: err}
 	}
 	if f, run := i.decide(d, c); !run {
@@ -458,8 +467,8 @@ func (i *Inbox) run(d *delivery, h message.HandlerFunc, tx contract.Tx) *failure
 		d.res.Outcome = OutcomeProcessed
 		return nil
 	}
-	kind := i.commitKindOf(err)
-	if kind == failInfrastructure && !errors.Is(err, ErrCommitRolledBack) && i.cfg.Store.Classify(err) != contract.ConfigFault {
+	kind := i.commitKindOf(d.store, err)
+	if kind == failInfrastructure && !errors.Is(err, ErrCommitRolledBack) && d.store.Classify(err) != contract.ConfigFault {
 		// The outcome is unknown: it may have committed. Nack, never dead-letter; the
 		// redelivery is a duplicate if it did.
 		return i.fail(d, tx, kind, fmt.Errorf("inbox: commit (outcome unknown): %w", err))
@@ -489,9 +498,9 @@ func (i *Inbox) fail(d *delivery, tx contract.Tx, kind failKind, err error) *fai
 // failKindOf classifies a handler (or outbox) error of delivery d.
 func (i *Inbox) failKindOf(d *delivery, herr error) failKind {
 	switch {
-	case i.cfg.Store.Classify(herr) == contract.Retryable:
+	case d.store.Classify(herr) == contract.Retryable:
 		return failRetryable
-	case i.configurationFault(herr), errors.Is(herr, ErrProducedMessages), errors.Is(herr, ErrNoPublishTopic):
+	case i.configurationFault(d.store, herr), errors.Is(herr, ErrProducedMessages), errors.Is(herr, ErrNoPublishTopic):
 		// The deployment's fault (a missing privilege or table, no Outbox, no publish
 		// topic): no message can succeed until it is fixed.
 		return failInfrastructure
@@ -505,11 +514,11 @@ func (i *Inbox) failKindOf(d *delivery, herr error) failKind {
 
 // commitKindOf classifies a commit error: a transient conflict is retried, a configuration
 // fault or an unknown outcome is not the message's failure, a rollback certain at COMMIT is.
-func (i *Inbox) commitKindOf(err error) failKind {
+func (i *Inbox) commitKindOf(s Store, err error) failKind {
 	switch {
-	case i.cfg.Store.Classify(err) == contract.Retryable:
+	case s.Classify(err) == contract.Retryable:
 		return failRetryable
-	case i.configurationFault(err):
+	case i.configurationFault(s, err):
 		return failInfrastructure
 	case errors.Is(err, ErrCommitRolledBack):
 		return failMessage
@@ -517,10 +526,10 @@ func (i *Inbox) commitKindOf(err error) failKind {
 	return failInfrastructure
 }
 
-// configurationFault reports whether the store classifies err as the deployment's fault, and
+// configurationFault reports whether store s classifies err as the deployment's fault, and
 // logs it at ERROR when so.
-func (i *Inbox) configurationFault(err error) bool {
-	if i.cfg.Store.Classify(err) != contract.ConfigFault {
+func (i *Inbox) configurationFault(s Store, err error) bool {
+	if s.Classify(err) != contract.ConfigFault {
 		return false
 	}
 	i.logger.Error("Configuration fault: the delivery is nacked without using up an attempt; no message can succeed until it is fixed", err, nil)

@@ -72,6 +72,9 @@ type Result struct {
 	Key Key
 	// MessageUUID is the Watermill message UUID as received (it may differ from the key).
 	MessageUUID string
+	// Route is the message's route with Config.Stores (the name of the store it was claimed
+	// on); empty with a single Store, and when the route or the key was refused.
+	Route string
 	// Attempts is the message's attempt count after this delivery, when attempts are
 	// counted (a dead-letter topic is configured); 0 otherwise.
 	Attempts int

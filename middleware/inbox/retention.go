@@ -169,7 +169,8 @@ type TooOldGuard struct {
 	// ProducerTimeFromMetadata). Nil turns the guard off.
 	ProducerTime ProducerTimeFunc
 	// Window is the age past which a message is too old. Zero: the Store's retention window
-	// (pgstore.Config.Retention); with neither, New refuses a guard with a ProducerTime.
+	// (pgstore.Config.Retention; with Stores, the shortest of their windows); with neither,
+	// New refuses a guard with a ProducerTime.
 	Window time.Duration
 	// ProcessTooOld processes a too-old message anyway, logging a warning, instead of
 	// dead-lettering it with the reason ReasonTooOld (the default).
@@ -182,11 +183,7 @@ type TooOldGuard struct {
 	Now func() time.Time
 }
 
-func (g *TooOldGuard) setDefaults(store Store) {
-	var window time.Duration
-	if store != nil {
-		window = store.RetentionWindow()
-	}
+func (g *TooOldGuard) setDefaults(window time.Duration) {
 	*g = g.WithDefaults(window)
 }
 
