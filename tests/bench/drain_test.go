@@ -18,6 +18,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	goredis "github.com/redis/go-redis/v9"
 
+	_ "github.com/watermill-inbox/watermill-inbox/adapters/all" // every broker name
 	"github.com/watermill-inbox/watermill-inbox/adapters/amqp"
 	"github.com/watermill-inbox/watermill-inbox/adapters/kafka/kafkatest"
 	"github.com/watermill-inbox/watermill-inbox/adapters/nats"
@@ -26,7 +27,6 @@ import (
 	"github.com/watermill-inbox/watermill-inbox/internal/testenv"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
-	_ "github.com/watermill-inbox/watermill-inbox/adapters/all" // every broker name
 	"github.com/watermill-inbox/watermill-inbox/router"
 )
 
