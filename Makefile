@@ -14,10 +14,13 @@ MODE   ?= immediate
 ## verified balances (BROKER=postgres|amqp|kafka|sqs|nats|redis; kafka and sqs run in-process;
 ## MODE=immediate|store-then-process, the inbox mode; DB=pgsql|mysql, the database and store:
 ## unset, pgstore on PostgreSQL; pgsql, sqlstore's PostgreSQL dialect; mysql, sqlstore's MySQL
-## dialect on MariaDB at INBOX_MYSQL_DSN, with a broker other than postgres, e.g. BROKER=amqp).
+## dialect on MariaDB at INBOX_MYSQL_DSN, with a broker other than postgres, e.g. BROKER=amqp;
+## SHARDS=3, the accounts split over three PostgreSQL databases, account mod 3, one consumer
+## over all of them, pgstore and the immediate mode only).
 DB ?=
+SHARDS ?=
 demo:
-	cd examples/billing && $(GO) run . -broker=$(BROKER) -mode=$(MODE)$(if $(DB), -db=$(DB))
+	cd examples/billing && $(GO) run . -broker=$(BROKER) -mode=$(MODE)$(if $(DB), -db=$(DB))$(if $(SHARDS), -shards=$(SHARDS))
 
 ## test: vet, then every test against the real PostgreSQL, RabbitMQ, NATS and Redis, with the race
 ## detector, including the two that restart the machine's PostgreSQL cluster and RabbitMQ node

@@ -42,6 +42,29 @@ func (c Config) validateMode() error {
 		c.setting("INBOX_MODE", "mode", "Mode"), strings.Join(Modes, ", "))
 }
 
+// ModeStoresError is the error AddModeConsumer and AddModeHandler return in the
+// store-then-process mode for an inbox.Config that sets Stores (or Route): a deferred inbox
+// stores its pending rows in one database, deferred.Config.Pool, and its workers poll that one,
+// so it does not route messages over several databases. It wraps inbox.ErrInvalidConfig. Run
+// one router per database in that mode, or the immediate mode (see docs/scaling.md, "A
+// database per tenant or per shard").
+type ModeStoresError struct {
+	// Mode is the router's mode, ModeStoreThenProcess.
+	Mode string
+	// Routes is the number of routes in inbox.Config.Stores.
+	Routes int
+}
+
+// Error returns "inbox: invalid configuration: router: mode store-then-process takes one
+// database: inbox.Config.Stores (N routes) is for the immediate mode".
+func (e *ModeStoresError) Error() string {
+	return fmt.Sprintf("%v: router: mode %s takes one database: inbox.Config.Stores (%d routes) is for the %s mode",
+		inbox.ErrInvalidConfig, e.Mode, e.Routes, ModeImmediate)
+}
+
+// Unwrap returns inbox.ErrInvalidConfig.
+func (e *ModeStoresError) Unwrap() error { return inbox.ErrInvalidConfig }
+
 // Mode returns the router's inbox mode (ModeImmediate or ModeStoreThenProcess).
 func (r *Router) Mode() string {
 	if r.mode == "" {
@@ -58,10 +81,12 @@ func (r *Router) Mode() string {
 //     OnKeyCollision, the Outbox) and from the broker (BrokerSideFields), and Pool from
 //     icfg.Store when it is a *pgstore.Store. Its receipt (deferred.Inbox.Receive) is the
 //     handler the router subscribes; its Workers run h and start with Run and stop with
-//     Close. It returns the deferred inbox (for Stats, Replay).
+//     Close. It returns the deferred inbox (for Stats, Replay). It takes one database: an
+//     icfg with Stores or Route is refused with a *ModeStoresError.
 //
 // The store-then-process table must be migrated first (deferred.Inbox.Migrate, or
-// `watermill-inbox deferred migrate`). Errors: those of NewInbox, deferred.New and AddConsumer.
+// `watermill-inbox deferred migrate`). Errors: those of NewInbox, deferred.New and
+// AddConsumer, and *ModeStoresError.
 func (r *Router) AddModeConsumer(icfg inbox.Config, dcfg deferred.Config, topic string, h message.NoPublishHandlerFunc, logger watermill.LoggerAdapter) (any, *message.Handler, error) {
 	if r.Mode() == ModeImmediate {
 		ib, err := r.NewInbox(icfg, logger)
@@ -77,6 +102,9 @@ func (r *Router) AddModeConsumer(icfg inbox.Config, dcfg deferred.Config, topic 
 // addDeferred builds the deferred inbox of AddModeConsumer and AddModeHandler, subscribes its
 // receipt to topic and registers its Workers running h.
 func (r *Router) addDeferred(icfg inbox.Config, dcfg deferred.Config, topic string, h message.HandlerFunc, logger watermill.LoggerAdapter) (any, *message.Handler, error) {
+	if icfg.Stores != nil || icfg.Route != nil {
+		return nil, nil, &ModeStoresError{Mode: r.Mode(), Routes: len(icfg.Stores)}
+	}
 	if dcfg.ConsumerName == "" {
 		dcfg.ConsumerName = icfg.ConsumerName
 	}
@@ -145,7 +173,8 @@ func (r *Router) closeWorkers() {
 // deferred inbox built as AddModeConsumer builds it, with dcfg.PublishTopic set to publishTopic
 // (when unset), whose Workers write h's messages through the Outbox (icfg.Outbox when
 // dcfg.Outbox is unset) in each row's transaction. It returns the *inbox.Inbox or the
-// *deferred.Inbox. Errors: those of NewInbox, deferred.New and AddPublishingConsumer.
+// *deferred.Inbox. Errors: those of NewInbox, deferred.New and AddPublishingConsumer, and
+// *ModeStoresError (store-then-process with icfg.Stores).
 func (r *Router) AddModeHandler(icfg inbox.Config, dcfg deferred.Config, topic, publishTopic string, h message.HandlerFunc, logger watermill.LoggerAdapter) (any, *message.Handler, error) {
 	if r.Mode() == ModeImmediate {
 		ib, err := r.NewInbox(icfg, logger)

@@ -93,6 +93,9 @@ func (d *demo) startConsumer(crash crashPoint) (*child, error) {
 		"-mode="+d.o.mode,
 		fmt.Sprintf("-crash-after-applied=%d", crash.afterApplied),
 	)
+	if d.o.sharded() {
+		c.cmd.Args = append(c.cmd.Args, fmt.Sprintf("-shards=%d", d.o.shards))
+	}
 	// The consumer builds its broker from the environment (router.ConfigFromEnv).
 	c.cmd.Env = append(os.Environ(), "INBOX_DATABASE_URL="+databaseURL(), "INBOX_MYSQL_DSN="+mysqlDSN())
 	c.cmd.Env = append(c.cmd.Env, d.broker.env...)

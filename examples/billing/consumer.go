@@ -152,6 +152,12 @@ func consume(ctx context.Context, o options) error {
 	}
 	defer st.close()
 	store := st.store
+	// -shards: the databases of shards 1..N-1; shard 0 is st (shards.go).
+	shards, err := openShards(ctx, o, o.schema, o.appName, int32(2*max(concurrency, o.amqpConsumers)+4))
+	if err != nil {
+		return err
+	}
+	defer closeAll(shards)
 
 	r, err := router.New(cfg, st.pool, logger) // the pool: the postgres broker's (nil on MySQL)
 	if err != nil {
@@ -171,8 +177,7 @@ func consume(ctx context.Context, o options) error {
 		return err
 	}
 	// r.NewInbox fills in the broker's redelivery signal and broker-side fields.
-	billing, err := r.NewInbox(inbox.Config{
-		Store:        store,
+	billingCfg, err := shardedInbox(inbox.Config{
 		ConsumerName: consumerName,
 		// Durable attempt counting: a payment whose handler failed MaxAttempts times, in
 		// whichever processes, goes to the dead-letter topic, then is acked.
@@ -182,7 +187,11 @@ func consume(ctx context.Context, o options) error {
 		// The receipts the handler returns are written in the inbox transaction.
 		Outbox:   ob,
 		Observer: observer,
-	}, logger)
+	}, st, shards) // Store, or with -shards a store per database and the route
+	if err != nil {
+		return err
+	}
+	billing, err := r.NewInbox(billingCfg, logger)
 	if err != nil {
 		return err
 	}
@@ -218,19 +227,21 @@ func consume(ctx context.Context, o options) error {
 	// The relay reads the outbox with a watermill-sql subscriber and publishes each receipt to
 	// its destination topic, at least once: a crash between a publish and the commit of the
 	// relay's offset publishes it again, with the same UUID, and the receipts inbox skips it.
-	relay, err := outbox.NewRelay(st.relayConfig(outbox.RelayConfig{
-		Config: outboxConfig(o.schema), Publisher: r.Broker.Publisher,
-		PollInterval: 50 * time.Millisecond,
-	}), logger)
+	// With -shards, one relay per database: each reads its own database's outbox.
+	relays, err := newRelays(append([]*storage{st}, shards...), o.schema, r.Broker.Publisher, logger)
 	if err != nil {
 		return err
 	}
 
 	runErr := make(chan error, 1)
 	go func() { runErr <- r.Run(context.Background()) }()
-	relayErr := make(chan error, 1)
-	go func() { relayErr <- relay.Run(context.Background()) }()
-	for _, running := range []chan struct{}{r.Running(), relay.Running()} {
+	relayErr := make(chan error, len(relays))
+	running := []chan struct{}{r.Running()}
+	for _, relay := range relays {
+		go func() { relayErr <- relay.Run(context.Background()) }()
+		running = append(running, relay.Running())
+	}
+	for _, running := range running {
 		select {
 		case <-running:
 		case err := <-runErr:
@@ -248,15 +259,42 @@ func consume(ctx context.Context, o options) error {
 	case err := <-relayErr:
 		return fmt.Errorf("outbox relay stopped by itself: %v", err)
 	}
-	// The relay first: it publishes through the router's broker, which r.Close closes.
-	closeErr := errors.Join(relay.Close(), r.Close())
+	// The relays first: they publish through the router's broker, which r.Close closes.
+	closeErr := errors.Join(closeRelays(relays), r.Close())
 	<-runErr
-	<-relayErr
+	for range relays {
+		<-relayErr
+	}
 	crash.report(lineStats, consumerReport{})
 	if closeErr != nil {
 		return fmt.Errorf("close: %w", closeErr)
 	}
 	return nil
+}
+
+// newRelays returns an outbox relay per database in dbs, publishing through pub.
+func newRelays(dbs []*storage, schema string, pub message.Publisher, logger watermill.LoggerAdapter) ([]*outbox.Relay, error) {
+	var relays []*outbox.Relay
+	for _, db := range dbs {
+		relay, err := outbox.NewRelay(db.relayConfig(outbox.RelayConfig{
+			Config: outboxConfig(schema), Publisher: pub,
+			PollInterval: 50 * time.Millisecond,
+		}), logger)
+		if err != nil {
+			return nil, err
+		}
+		relays = append(relays, relay)
+	}
+	return relays, nil
+}
+
+// closeRelays closes every relay and returns their errors joined.
+func closeRelays(relays []*outbox.Relay) error {
+	var err error
+	for _, relay := range relays {
+		err = errors.Join(err, relay.Close())
+	}
+	return err
 }
 
 // outboxConfig is the outbox of a run: watermill-sql's tables "watermill_inbox_outbox" and
@@ -266,11 +304,11 @@ func outboxConfig(schema string) outbox.Config {
 	return outbox.Config{Schema: schema}
 }
 
-// openPool connects to the database with search_path set to schema, so watermill-sql's
+// openPool connects to the database at url (INBOX_DATABASE_URL, or a shard's) with search_path set to schema, so watermill-sql's
 // unqualified tables live in the run's schema, and with application_name set to appName, so the
 // orchestrator can find the consumer's sessions in pg_stat_activity.
-func openPool(ctx context.Context, schema, appName string, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(databaseURL())
+func openPool(ctx context.Context, url, schema, appName string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("parse INBOX_DATABASE_URL: %w", err)
 	}
@@ -285,7 +323,7 @@ func openPool(ctx context.Context, schema, appName string, maxConns int32) (*pgx
 	defer cancel()
 	if err := pool.Ping(pingCtx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("PostgreSQL is not reachable at %s: %w", redactURL(databaseURL()), err)
+		return nil, fmt.Errorf("PostgreSQL is not reachable at %s: %w", redactURL(url), err)
 	}
 	return pool, nil
 }

@@ -5,7 +5,7 @@
 // once, dead-letters the payments it can never apply after exactly -max-attempts handler runs,
 // and issues exactly one receipt per payment through the transactional outbox.
 //
-//	go run . [-broker=postgres|amqp|kafka|sqs|nats|redis] [-db=pgx|pgsql|mysql] [-mode=immediate|store-then-process] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
+//	go run . [-broker=postgres|amqp|kafka|sqs|nats|redis] [-db=pgx|pgsql|mysql] [-mode=immediate|store-then-process] [-shards=3] [-messages=2000] [-accounts=50] [-dup-ratio=0.2] [-poison=3] [-max-attempts=3]
 //
 // The process you start is the orchestrator. It creates a fresh PostgreSQL schema, migrates the
 // inbox and the outbox into it, creates the accounts (one of them frozen), publishes the
@@ -41,6 +41,10 @@
 // gets a pgx.Tx), pgsql (sqlstore's PostgreSQL dialect: a *sql.Tx) or mysql (sqlstore's MySQL
 // dialect: balances, business tables, inbox and outbox in a fresh MariaDB or MySQL database;
 // with any broker but postgres). The same crashes and checks run on each.
+//
+// -shards=N splits the accounts over N PostgreSQL databases, account mod N, with one consumer
+// over all of them (shards.go); the same crashes run, and the balances are checked on each
+// database.
 //
 // Environment: INBOX_DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test?sslmode=disable),
 // for -db=mysql INBOX_MYSQL_DSN (default root@tcp(127.0.0.1:3306)/, go-sql-driver's form)
@@ -95,6 +99,9 @@ type options struct {
 	soak          bool
 	// mode is router.ModeImmediate (default) or router.ModeStoreThenProcess (deferred.go).
 	mode string
+	// shards is the number of databases the accounts are split over (shards.go); 0 or 1:
+	// one database.
+	shards int
 
 	// Consumer role only, set by the orchestrator.
 	run              int
@@ -128,6 +135,7 @@ func parseFlags(args []string) (options, error) {
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve the consumer's Prometheus metrics on this address at /metrics while it runs, e.g. 127.0.0.1:9464 (each consumer in turn)")
 	fs.BoolVar(&o.soak, "soak", false, "soak instead of the scripted crashes: SIGKILL the consumer every 5 to 20 s (random) until every payment is processed, sample the relay's backlog, then verify (raise -messages and -timeout, e.g. -messages=100000 -timeout=2h)")
 	fs.StringVar(&o.mode, "mode", router.ModeImmediate, "inbox mode: immediate (the handler runs in the delivery) or store-then-process (the delivery is stored, workers run the handler later; see deferred.go)")
+	fs.IntVar(&o.shards, "shards", 0, "split the accounts over this many PostgreSQL databases on the server of INBOX_DATABASE_URL (account mod N), one consumer over all of them (inbox.Config.Stores); 0 or 1: one database (see shards.go)")
 	fs.IntVar(&o.crashAfterApplied, "crash-after-applied", 0, "consumer role, store-then-process mode: SIGKILL this process inside a worker's handler after it applied this many payments, transaction open (0: never)")
 	fs.IntVar(&o.run, "run", 0, "consumer role: run number of this consumer, written to the rejection log")
 	fs.StringVar(&o.schema, "schema", "", "consumer role: PostgreSQL schema of this run")
@@ -150,6 +158,8 @@ func parseFlags(args []string) (options, error) {
 		return o, fmt.Errorf("-broker=%q: want one of %s", o.broker, strings.Join(adapters.Registered(), ", "))
 	case checkDB(o) != nil:
 		return o, checkDB(o)
+	case checkShards(o) != nil:
+		return o, checkShards(o)
 	case !slices.Contains(router.Modes, o.mode):
 		return o, fmt.Errorf("-mode=%q: want one of %s", o.mode, strings.Join(router.Modes, ", "))
 	case o.soak && o.mode != router.ModeImmediate:

@@ -49,6 +49,10 @@ type demo struct {
 	// mysql), which the postgres broker, the store-then-process mode and the soak use.
 	st   *storage
 	pool *pgxpool.Pool
+	// shards are the databases of shards 1..N-1 with -shards (shard 0 is st); shardDBs
+	// their names, once created (shards.go).
+	shards   []*storage
+	shardDBs []string
 	// accounts, rejections, receipts: the business tables, quoted, schema-qualified.
 	accounts, rejections, receipts string
 	// deferredTable is the store-then-process table, quoted (-mode=store-then-process only).
@@ -79,7 +83,11 @@ func runOrchestrator(o options) int {
 		err = d.cleanup()
 	} else if d.schemaCreated {
 		fmt.Fprintf(d.out, "kept        %s\n", d.st.keptHint())
+		for _, name := range d.shardDBs {
+			fmt.Fprintf(d.out, "kept        database %s for inspection (drop it with: DROP DATABASE %s WITH (FORCE))\n", name, name)
+		}
 	}
+	closeAll(d.shards)
 	if d.broker != nil {
 		d.broker.Close()
 	}
@@ -154,6 +162,11 @@ func (d *demo) prepare(ctx context.Context) (uint64, error) {
 	if err := d.setup(ctx); err != nil {
 		return 0, err
 	}
+	if d.o.sharded() {
+		if err := d.createShards(ctx); err != nil {
+			return 0, err
+		}
+	}
 	if d.o.mode == router.ModeStoreThenProcess {
 		if err := d.setupDeferred(ctx); err != nil {
 			return 0, err
@@ -168,6 +181,9 @@ func (d *demo) prepare(ctx context.Context) (uint64, error) {
 		return 0, err
 	}
 	d.w = w
+	if d.o.sharded() {
+		w.tagShards(d.o.shards)
+	}
 	if err := d.broker.Publish(w.deliveries); err != nil {
 		return 0, err
 	}
@@ -322,6 +338,10 @@ func (d *demo) verifyImmediate(ctx context.Context, receiptsDuplicates uint64) e
 	}
 	fmt.Fprintf(d.out, "balances    verified: %d/%d accounts equal the sum of their unique payments (%d cents in total); frozen account %d: 0\n",
 		d.o.accounts, d.o.accounts, total, w.frozenAccount)
+	if d.o.sharded() {
+		fmt.Fprintf(d.out, "shards      verified on each of the %d databases: every account's payments on its own shard (account mod %d), 0 on the others; each inbox row on its payment's shard\n",
+			d.o.shards, d.o.shards)
+	}
 	runs, err := d.verifyPoison(ctx)
 	if err != nil {
 		return err
@@ -368,12 +388,16 @@ func (d *demo) setup(ctx context.Context) error {
 }
 
 func (d *demo) inboxRows(ctx context.Context) (int64, error) {
-	var n int64
-	err := d.st.db.QueryRowContext(ctx, d.st.q("SELECT count(*) FROM "+d.st.inboxTable+" WHERE consumer_name = $1"), consumerName).Scan(&n)
-	if err != nil {
-		return 0, fmt.Errorf("count inbox rows: %w", err)
+	var total int64
+	for _, st := range d.dbs() {
+		var n int64
+		err := st.db.QueryRowContext(ctx, st.q("SELECT count(*) FROM "+st.inboxTable+" WHERE consumer_name = $1"), consumerName).Scan(&n)
+		if err != nil {
+			return 0, fmt.Errorf("count inbox rows: %w", err)
+		}
+		total += n
 	}
-	return n, nil
+	return total, nil
 }
 
 // killMidStream SIGKILLs a consumer mid-stream at a moment when one of its deliveries has
@@ -417,13 +441,14 @@ func (d *demo) killMidStream(ctx context.Context, rowsBefore int64) (rows, accou
 		}
 	}
 
-	lockTx, err := d.st.db.BeginTx(ctx, nil)
+	lockDB := d.storageOf(account)
+	lockTx, err := lockDB.db.BeginTx(ctx, nil)
 	if err != nil {
 		return fail(err)
 	}
 	defer func() { _ = lockTx.Rollback() }()
 	var one int
-	if err := lockTx.QueryRowContext(ctx, d.st.q("SELECT 1 FROM "+d.accounts+" WHERE id = $1 FOR UPDATE"), account).Scan(&one); err != nil {
+	if err := lockTx.QueryRowContext(ctx, lockDB.q("SELECT 1 FROM "+d.accounts+" WHERE id = $1 FOR UPDATE"), account).Scan(&one); err != nil {
 		return fail(fmt.Errorf("lock account %d: %w", account, err))
 	}
 	if _, err := claimTx.Fail(ctx, contract.Failure{}); err != nil {
@@ -483,7 +508,7 @@ func (d *demo) holdLastClaim(ctx context.Context) (contract.Tx, int, error) {
 			return nil, 0, errors.New("every payment is already processed: no mid-stream kill possible")
 		}
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		tx, res, err := d.st.store.Claim(cctx, contract.Delivery{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
+		tx, res, err := d.storageOf(d.w.accountOf[last]).store.Claim(cctx, contract.Delivery{Key: inbox.Key{MessageID: d.w.ids[last], ConsumerName: consumerName}})
 		cancel()
 		if err == nil && res.Decision == contract.Run {
 			return tx, last, nil
@@ -518,18 +543,36 @@ func (d *demo) crashInPoison(ctx context.Context) (consumerReport, error) {
 
 // attemptsOf returns the billing inbox's attempt count of a message (0 without a row).
 func (d *demo) attemptsOf(ctx context.Context, messageID string) (int64, error) {
-	var n int64
-	err := d.st.db.QueryRowContext(ctx, d.st.q("SELECT coalesce(max(attempts), 0) FROM "+d.st.attemptsTable+" WHERE message_id = $1 AND consumer_name = $2"),
-		messageID, consumerName).Scan(&n)
-	if err != nil {
-		return 0, fmt.Errorf("read attempts: %w", err)
+	var total int64
+	for _, st := range d.dbs() { // with -shards, only the message's shard has a row
+		var n int64
+		err := st.db.QueryRowContext(ctx, st.q("SELECT coalesce(max(attempts), 0) FROM "+st.attemptsTable+" WHERE message_id = $1 AND consumer_name = $2"),
+			messageID, consumerName).Scan(&n)
+		if err != nil {
+			return 0, fmt.Errorf("read attempts: %w", err)
+		}
+		total += n
 	}
-	return n, nil
+	return total, nil
 }
 
 // processedIDs returns the message IDs the billing inbox recorded.
 func (d *demo) processedIDs(ctx context.Context) ([]string, error) {
-	rows, err := d.st.db.QueryContext(ctx, d.st.q("SELECT message_id FROM "+d.st.inboxTable+" WHERE consumer_name = $1"), consumerName)
+	var all []string
+	for k := range d.dbs() {
+		ids, err := d.processedIDsOn(ctx, k)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, ids...)
+	}
+	return all, nil
+}
+
+// processedIDsOn returns the message IDs the billing inbox recorded on database k of d.dbs().
+func (d *demo) processedIDsOn(ctx context.Context, k int) ([]string, error) {
+	st := d.dbs()[k]
+	rows, err := st.db.QueryContext(ctx, st.q("SELECT message_id FROM "+st.inboxTable+" WHERE consumer_name = $1"), consumerName)
 	if err != nil {
 		return nil, err
 	}
@@ -563,6 +606,15 @@ func (d *demo) progress(ctx context.Context) (progress, error) {
 		(SELECT count(*) FROM `+d.receipts+`)`), consumerName, consumerName).Scan(&p.rows, &p.deadLettered, &p.receipts)
 	if err != nil {
 		return p, fmt.Errorf("read progress: %w", err)
+	}
+	for _, st := range d.shards {
+		var rows, dead int64
+		if err := st.db.QueryRowContext(ctx, st.q(`SELECT
+		(SELECT count(*) FROM `+st.inboxTable+` WHERE consumer_name = $1),
+		(SELECT count(*) FROM `+st.attemptsTable+` WHERE consumer_name = $2 AND dead_lettered_at IS NOT NULL)`), consumerName, consumerName).Scan(&rows, &dead); err != nil {
+			return p, fmt.Errorf("read progress: %w", err)
+		}
+		p.rows, p.deadLettered = p.rows+rows, p.deadLettered+dead
 	}
 	p.pending, err = d.broker.Pending(ctx)
 	return p, err
@@ -639,32 +691,63 @@ func (d *demo) verifyInbox(ctx context.Context, unique int64) error {
 	if rows != unique || matching != unique {
 		return fmt.Errorf("inbox has %d rows, %d of them published IDs; want %d", rows, matching, unique)
 	}
+	if !d.o.sharded() {
+		return nil
+	}
+	// Each ID on its own shard's database only.
+	accountOf := make(map[string]int64, len(d.w.ids))
+	for i, id := range d.w.ids {
+		accountOf[id] = d.w.accountOf[i]
+	}
+	for k := range d.dbs() {
+		ids, err := d.processedIDsOn(ctx, k)
+		if err != nil {
+			return fmt.Errorf("verify inbox: %w", err)
+		}
+		for _, id := range ids {
+			if want := shardOf(accountOf[id], d.o.shards); want != k {
+				return fmt.Errorf("shard %d's inbox holds %s, a payment to account %d of shard %d", k, id, accountOf[id], want)
+			}
+		}
+	}
 	return nil
 }
 
 // verifyBalances compares every balance with the sum of its account's unique payments and
 // returns the total.
+//
+// With -shards it checks every database: an account holds its payments on its own shard and 0
+// on every other.
 func (d *demo) verifyBalances(ctx context.Context) (int64, error) {
-	rows, err := d.st.db.QueryContext(ctx, "SELECT id, balance FROM "+d.accounts+" ORDER BY id")
-	if err != nil {
-		return 0, fmt.Errorf("read balances: %w", err)
-	}
-	type account struct{ ID, Balance int64 }
-	got, err := collect(rows, func(r *sql.Rows) (a account, err error) { return a, r.Scan(&a.ID, &a.Balance) })
-	if err != nil {
-		return 0, fmt.Errorf("read balances: %w", err)
-	}
 	var total int64
 	var wrong []string
-	for _, a := range got {
-		want, ok := d.w.expected[a.ID]
-		if !ok || a.Balance != want {
-			wrong = append(wrong, fmt.Sprintf("account %d: balance %d, want %d (diff %+d)", a.ID, a.Balance, want, a.Balance-want))
+	for k, st := range d.dbs() {
+		rows, err := st.db.QueryContext(ctx, "SELECT id, balance FROM "+d.accounts+" ORDER BY id")
+		if err != nil {
+			return 0, fmt.Errorf("read balances: %w", err)
 		}
-		total += a.Balance
-	}
-	if len(got) != len(d.w.expected) {
-		wrong = append(wrong, fmt.Sprintf("%d accounts in the table, want %d", len(got), len(d.w.expected)))
+		type account struct{ ID, Balance int64 }
+		got, err := collect(rows, func(r *sql.Rows) (a account, err error) { return a, r.Scan(&a.ID, &a.Balance) })
+		if err != nil {
+			return 0, fmt.Errorf("read balances: %w", err)
+		}
+		where := ""
+		if d.o.sharded() {
+			where = fmt.Sprintf("shard %d: ", k)
+		}
+		for _, a := range got {
+			want, ok := d.w.expected[a.ID]
+			if d.o.sharded() && shardOf(a.ID, d.o.shards) != k {
+				want = 0 // another shard's account: no payment may reach it here
+			}
+			if !ok || a.Balance != want {
+				wrong = append(wrong, fmt.Sprintf("%saccount %d: balance %d, want %d (diff %+d)", where, a.ID, a.Balance, want, a.Balance-want))
+			}
+			total += a.Balance
+		}
+		if len(got) != len(d.w.expected) {
+			wrong = append(wrong, fmt.Sprintf("%s%d accounts in the table, want %d", where, len(got), len(d.w.expected)))
+		}
 	}
 	if len(wrong) > 0 {
 		sort.Strings(wrong)
@@ -730,25 +813,30 @@ func (d *demo) verifyPoison(ctx context.Context) (poisonRuns, error) {
 		Attempts     int
 		DeadLettered bool
 	}
-	rows, err := d.st.db.QueryContext(ctx, d.st.q("SELECT message_id, attempts, dead_lettered_at IS NOT NULL FROM "+d.st.attemptsTable+
-		" WHERE consumer_name = $1"), consumerName)
-	if err != nil {
-		return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
-	}
-	attempts, err := collect(rows, func(r *sql.Rows) (a attemptsRow, err error) { return a, r.Scan(&a.ID, &a.Attempts, &a.DeadLettered) })
-	if err != nil {
-		return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
-	}
-	attemptsOf := make(map[string]attemptsRow, len(attempts))
-	for _, a := range attempts {
-		attemptsOf[a.ID] = a
+	attemptsOf := make(map[string]attemptsRow, len(d.w.poisonIDs))
+	for k, st := range d.dbs() {
+		rows, err := st.db.QueryContext(ctx, st.q("SELECT message_id, attempts, dead_lettered_at IS NOT NULL FROM "+st.attemptsTable+
+			" WHERE consumer_name = $1"), consumerName)
+		if err != nil {
+			return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
+		}
+		attempts, err := collect(rows, func(r *sql.Rows) (a attemptsRow, err error) { return a, r.Scan(&a.ID, &a.Attempts, &a.DeadLettered) })
+		if err != nil {
+			return poisonRuns{}, fmt.Errorf("read attempts: %w", err)
+		}
+		for _, a := range attempts {
+			if _, dup := attemptsOf[a.ID]; dup {
+				return poisonRuns{}, fmt.Errorf("payment %s has attempts rows on two databases (the second on shard %d)", a.ID, k)
+			}
+			attemptsOf[a.ID] = a
+		}
 	}
 
 	type rejection struct {
 		ID  string
 		Run int
 	}
-	rows, err = d.st.db.QueryContext(ctx, "SELECT message_id, consumer_run FROM "+d.rejections)
+	rows, err := d.st.db.QueryContext(ctx, "SELECT message_id, consumer_run FROM "+d.rejections)
 	if err != nil {
 		return poisonRuns{}, fmt.Errorf("read the rejection log: %w", err)
 	}
@@ -827,6 +915,9 @@ func (d *demo) cleanup() error {
 		return fmt.Errorf("cleanup: %w", err)
 	}
 	if err := d.st.drop(ctx); err != nil {
+		return fmt.Errorf("cleanup: %w", err)
+	}
+	if err := d.dropShards(ctx); err != nil {
 		return fmt.Errorf("cleanup: %w", err)
 	}
 	return nil

@@ -74,12 +74,18 @@ type storage struct {
 // PostgreSQL sessions (pg_stat_activity); create makes the MySQL database first (PostgreSQL's
 // schema is made by setup, on the open connection).
 func openStorage(ctx context.Context, kind, schema, appName string, maxConns int32, create bool) (*storage, error) {
+	return openStorageAt(ctx, databaseURL(), kind, schema, appName, maxConns, create)
+}
+
+// openStorageAt is openStorage on the PostgreSQL database at url (kind pgx or pgsql), such as a
+// shard's (shards.go).
+func openStorageAt(ctx context.Context, url, kind, schema, appName string, maxConns int32, create bool) (*storage, error) {
 	s := &storage{kind: kind, schema: schema}
 	var err error
 	if kind == dbMySQL {
 		s.db, err = openMySQL(ctx, schema, int(maxConns), create)
 	} else {
-		s.pool, err = openPool(ctx, schema, appName, maxConns)
+		s.pool, err = openPool(ctx, url, schema, appName, maxConns)
 		if err == nil {
 			s.db = stdlib.OpenDBFromPool(s.pool)
 		}
