@@ -183,6 +183,12 @@ func (s *Store) failedClaim(ctx context.Context, t *claimTx, first countFirstRes
 	_ = t.end(ctx, func(ctx context.Context) error {
 		_, _ = t.conn.Exec(ctx, "rollback")
 		t.takeBack(ctx)
+		if t.countSent && !t.session {
+			// The count may have taken the key's session lock without its answer saying so
+			// (it failed after taking it, on a lock or statement timeout), or counted nothing
+			// with it (a dead-lettered key) before the claim failed: release it if held.
+			t.unlockIfHeld(ctx)
+		}
 		return nil
 	})
 	if lost {
@@ -191,6 +197,19 @@ func (s *Store) failedClaim(ctx context.Context, t *claimTx, first countFirstRes
 		}
 	}
 	return fmt.Errorf("pgstore: claim: %w", s.wrapNoPartition(err, t.period))
+}
+
+// unlockIfHeld releases the key's session lock if t's session holds it
+// (queries/unlock_if_held.sql); a connection that cannot say is closed, so the lock cannot
+// outlive the delivery.
+func (t *claimTx) unlockIfHeld(ctx context.Context) {
+	if t.conn.Conn().IsClosed() {
+		return
+	}
+	q := t.s.q.unlockIfHeld
+	if _, err := t.conn.Exec(ctx, q.sql, q.args(&queryArgs{lockKey: t.lockKey})...); err != nil {
+		_ = t.conn.Conn().Close(ctx)
+	}
 }
 
 // countFirstResult is what queries/count_first.sql answered.
