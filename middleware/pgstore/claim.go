@@ -81,7 +81,7 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	err = s.sendClaim(ctx, conn, b, t)
 	first, claimed, rec := ans.first, ans.claimed, ans.rec
 	t.counted = first.committed && first.counted
-	t.session = t.counted
+	t.session = t.counted || (t.trySession && !t.countSent && claimed)
 	if err != nil {
 		return nil, contract.Claim{}, s.failedClaim(ctx, t, first, err)
 	}
@@ -148,7 +148,7 @@ func (s *Store) claimBatch(t *claimTx, d contract.Delivery, lvl pgx.TxIsoLevel) 
 		b.Queue("set local synchronous_commit = off")
 		a := s.claimArgs(d, t.period)
 		a.countToken = rand.Int64()
-		t.countToken, t.countSent = a.countToken, true
+		t.countToken, t.countSent, t.trySession = a.countToken, true, true
 		b.Queue(s.q.countFirst.sql, s.q.countFirst.args(a)...).QueryRow(ans.first.scan)
 		b.Queue("commit").Exec(func(pgconn.CommandTag) error { ans.first.committed = true; return nil })
 		b.Queue(beginSQL(lvl))
@@ -156,7 +156,12 @@ func (s *Store) claimBatch(t *claimTx, d contract.Delivery, lvl pgx.TxIsoLevel) 
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
-	b.Queue(s.q.claim.sql, s.q.claim.args(s.claimArgs(d, t.period))...).Exec(func(ct pgconn.CommandTag) error {
+	claimQ := s.q.claim
+	if t.counting && !countFirst {
+		// Counting without a count first: the key's lock for the session (claim.sql).
+		claimQ, t.trySession = s.q.claimSession, true
+	}
+	b.Queue(claimQ.sql, claimQ.args(s.claimArgs(d, t.period))...).Exec(func(ct pgconn.CommandTag) error {
 		ans.claimed = ct.RowsAffected() == 1
 		return nil
 	})
@@ -183,10 +188,11 @@ func (s *Store) failedClaim(ctx context.Context, t *claimTx, first countFirstRes
 	_ = t.end(ctx, func(ctx context.Context) error {
 		_, _ = t.conn.Exec(ctx, "rollback")
 		t.takeBack(ctx)
-		if t.countSent && !t.session {
-			// The count may have taken the key's session lock without its answer saying so
-			// (it failed after taking it, on a lock or statement timeout), or counted nothing
-			// with it (a dead-lettered key) before the claim failed: release it if held.
+		if t.trySession && !t.session {
+			// The count or the claim may have taken the key's session lock without its
+			// answer saying so (it failed after taking it, on a lock or statement timeout),
+			// or the count counted nothing with it (a dead-lettered key) before the claim
+			// failed: release it if held.
 			t.unlockIfHeld(ctx)
 		}
 		return nil
@@ -351,6 +357,11 @@ func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 			return err
 		})
 		b.Queue("rollback")
+		unlock := t.trySession && !t.session
+		if unlock {
+			// The claim may have taken the key's session lock and found the key stored.
+			b.Queue(s.q.unlockIfHeld.sql, s.q.unlockIfHeld.args(&queryArgs{lockKey: t.lockKey})...)
+		}
 		if t.counting {
 			b.Queue(s.q.clearProcessed.sql, s.q.clearProcessed.args(keyArgs(t.key, t.period))...)
 		}
@@ -358,6 +369,9 @@ func (t *claimTx) endDuplicate(ctx context.Context) ([]byte, time.Time, error) {
 		if err := t.conn.Conn().SendBatch(ctx, b).Close(); err != nil {
 			_, _ = t.conn.Exec(ctx, "rollback")
 			t.takeBack(ctx)
+			if unlock {
+				t.unlockIfHeld(ctx)
+			}
 			return fmt.Errorf("pgstore: claim: read stored payload hash: %w", err)
 		}
 		if held {
@@ -487,7 +501,10 @@ type claimTx struct {
 	lockKey  string
 	counted  bool // this delivery was counted before its handler
 	// countSent: count_first.sql was sent, marked with countToken.
-	countSent  bool
+	countSent bool
+	// trySession: the round trip tried the key's session lock (count_first.sql, or claim.sql
+	// with .Session).
+	trySession bool
 	countToken int64
 	attempts   int  // the key's count with this delivery's own, as the claim found it
 	dirty      bool // the key may have an attempt record for Commit to clear
@@ -684,11 +701,12 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 
 // Fail ends the transaction without processing the message and records f: a failure that
 // Counts uses up one attempt (this delivery's count, if it counted first, is that attempt) and
-// keeps f.Error as the last error; one that does not takes this delivery's count back. The
-// record is written on the store's count connection (count.go), committed while this
-// transaction still holds the claim and the key's lock, and only then is this transaction
-// rolled back, so a copy waiting for the key reads it; no pool connection is waited for. After
-// a failed Commit it records the same way, the transaction being over.
+// keeps f.Error as the last error; one that does not takes this delivery's count back. With
+// attempt counting the claim holds the key's lock for its session (claim.sql with .Session, or
+// count_first.sql), which outlives the rollback: Fail rolls back, then writes the record on
+// the same connection and releases the lock, so a copy waiting for the key reads the record.
+// After a failed Commit (the lock released with it) the record is written on the store's count
+// connection (count.go).
 func (t *claimTx) Fail(ctx context.Context, f contract.Failure) (int, error) {
 	if t.ended && !t.commitFailed {
 		return t.attempts, nil // committed, or failed already

@@ -32,6 +32,7 @@ type queryNames struct {
 	DuplicateAges              string // the duplicate-age histogram (migration 0005)
 	Compact, Partitioned       bool
 	Old                        string // the table a layout conversion copies from
+	Session                    bool   // claim.sql: the key's lock for the session
 }
 
 // query is one rendered statement: its SQL with positional parameters and the names of its
@@ -122,7 +123,7 @@ type queries struct {
 	replay, dropClaim, registerConsumer              query
 	clearProcessedAsync, countFirst, unlock          query
 	unlockIfHeld, takeBackLost, clearCounted         query
-	duplicateAge, duplicateAges                      query
+	duplicateAge, duplicateAges, claimSession        query
 }
 
 func newQueries(n queryNames) queries {
@@ -138,6 +139,7 @@ func newQueries(n queryNames) queries {
 		unlockIfHeld:        renderQuery("unlock_if_held", n),
 		takeBackLost:        renderQuery("take_back_lost", n),
 		clearCounted:        renderQuery("clear_counted", n),
+		claimSession:        renderQuery("claim", withSession(n)),
 		countFailure:        renderQuery("count_failure", n),
 		settleCount:         renderQuery("settle_count", n),
 		markDeadLettered:    renderQuery("mark_dead_lettered", n),
@@ -147,4 +149,10 @@ func newQueries(n queryNames) queries {
 		duplicateAge:        renderQuery("duplicate_age", n),
 		duplicateAges:       renderQuery("duplicate_ages", n),
 	}
+}
+
+// withSession is n for claim.sql's session-lock variant.
+func withSession(n queryNames) queryNames {
+	n.Session = true
+	return n
 }

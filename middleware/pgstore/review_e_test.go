@@ -519,3 +519,58 @@ func TestReviewELostAnswerTakesBackOnlyItsOwnCount(t *testing.T) {
 		t.Errorf("the next delivery found %d earlier attempts, want 2", c.Attempts)
 	}
 }
+
+// TestReviewEFailedStatementOfAFirstDeliveryKeepsItsKey: a counting delivery that its broker
+// marks as a first delivery (not counted first) runs its handler, whose statement fails (a
+// unique violation, a division by zero: the transaction is aborted, and PostgreSQL releases
+// its transaction-level locks at once). Until that delivery's Fail has recorded the attempt,
+// a copy (counted first or a first delivery, on any isolation level) must find the key held:
+// otherwise it runs its handler beside the first one's and reads the count one short, and
+// with MaxAttempts 1 the message runs twice instead of being dead-lettered.
+func TestReviewEFailedStatementOfAFirstDeliveryKeepsItsKey(t *testing.T) {
+	isos := []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable}
+	for _, l := range everyLayout {
+		for _, iso := range isos {
+			for _, copyFirst := range []bool{true, false} {
+				t.Run(fmt.Sprintf("%s/%s/copy-counted-first=%v", l.name, iso, copyFirst), func(t *testing.T) {
+					s, sch := layoutStore(t, 4, l.cfg)
+					keys := newLayoutKeys(s.Config())
+					ctx := context.Background()
+					a := keys.claim("m-aborted")
+					a.MaxAttempts, a.CountFirst, a.Isolation = 1, false, iso
+					tx, _ := mustClaim(t, s, a, contract.Run)
+					defer release(tx)
+					if _, err := handlerTx(t, tx).Exec(ctx, "SELECT 1/0"); err == nil {
+						t.Fatal("SELECT 1/0 succeeded")
+					}
+					b := a
+					b.CountFirst = copyFirst
+					cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+					btx, c, err := s.Claim(cctx, b)
+					cancel()
+					release(btx)
+					if !errors.Is(err, pgstore.ErrClaimInFlight) {
+						t.Errorf("a copy while the first delivery's failed handler has not ended: %v, decision %s with %d earlier attempts; want ErrClaimInFlight",
+							err, decisionName(c.Decision), c.Attempts)
+					}
+					if n, _ := attemptsRow(t, sch.Pool, s, a.Key); n != 0 {
+						t.Errorf("%d attempts recorded while the first delivery is in flight, want 0 (a copy that waits is no attempt)", n)
+					}
+					if n, err := tx.Fail(ctx, contract.Failure{Counts: true, Error: "division by zero"}); err != nil || n != 1 {
+						t.Fatalf("Fail: %d, %v; want 1", n, err)
+					}
+					_, c = mustClaim(t, s, b, contract.Exhausted)
+					if c.Attempts != 1 {
+						t.Errorf("the copy after the failure: %d earlier attempts, want 1", c.Attempts)
+					}
+					if n, _ := attemptsRow(t, sch.Pool, s, a.Key); n != 1 {
+						t.Errorf("%d attempts at the end, want 1", n)
+					}
+					if n := keyLocks(t, sch.Pool, s, a.Key); n != 0 {
+						t.Errorf("%d advisory locks on the key at the end", n)
+					}
+				})
+			}
+		}
+	}
+}
