@@ -45,7 +45,7 @@ func checkShards(o options) error {
 	case o.db != dbPgx:
 		return fmt.Errorf("-shards=%d runs on pgstore only (-db=pgx, the default), not -db=%s", o.shards, o.db)
 	case o.mode != router.ModeImmediate:
-		return fmt.Errorf("-shards=%d runs the immediate mode only: the store-then-process mode takes one database (router.ModeStoresError)", o.shards)
+		return fmt.Errorf("-shards=%d runs the immediate mode only: the demo does not split its store-then-process tables over the shards", o.shards)
 	case o.soak:
 		return fmt.Errorf("-shards=%d runs the scripted crashes only, not -soak", o.shards)
 	}

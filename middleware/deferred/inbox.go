@@ -261,6 +261,14 @@ func (i *Inbox) notify() {
 	}()
 }
 
+// Refuse settles msg as a poison message refused before its receipt, as Receive settles one:
+// counted in Counters.Refused, logged, and dead-lettered and acked (nil) with "permanent
+// error: " and err as its reason when the inbox has a dead-letter topic (the dead letter names
+// no message key), else err is returned (nack). err should be permanent (inbox.IsPermanent).
+// The router's store-then-process mode over several databases refuses with it a message whose
+// route names no database (an *inbox.RouteError).
+func (i *Inbox) Refuse(msg *message.Message, err error) error { return i.refuse(msg, "", err) }
+
 // refuse settles a poison message at receipt: dead-lettered (nil: ack) or its error (nack).
 func (i *Inbox) refuse(msg *message.Message, key string, err error) error {
 	return i.refuseWith(msg, key, err, "permanent error: "+err.Error())
