@@ -38,13 +38,14 @@ func (s *Store) NeedsProducerTime() bool {
 //
 //	BEGIN ISOLATION LEVEL ...; [the local timeouts;] queries/claim.sql; [queries/record.sql]
 //
-// The attempt record is read only with attempt counting (a dead-letter topic). A duplicate
-// costs one more round trip (queries/stored_hash.sql, ROLLBACK, and with counting
-// queries/clear_processed.sql). A delivery that counts first (d.CountFirst) is counted after
-// its claim, by queries/count.sql, shared with the other deliveries asking at the same moment
-// (count.go). A key whose lock a delivery in flight holds is waited for in process, without a
-// connection, until ctx ends (ErrClaimInFlight). On error nothing is left open and nothing
-// counted.
+// The attempt record is read only with attempt counting (a dead-letter topic), which also
+// takes the key's lock for the session (released in COMMIT's round trip, or once a failure is
+// recorded). A delivery that counts first (d.CountFirst) is counted in the same round trip,
+// by a transaction of its own ahead of the claim's (claimBatch, queries/count_first.sql). A
+// duplicate costs one more round trip (queries/stored_hash.sql, ROLLBACK, and with counting
+// queries/clear_processed.sql). A key whose lock a delivery in flight holds is waited for in
+// process, without a connection, until ctx ends (ErrClaimInFlight). On error nothing is left
+// open, no lock held and nothing counted.
 func (s *Store) Claim(ctx context.Context, d contract.Delivery) (contract.Tx, contract.Claim, error) {
 	var t *claimTx
 	var c contract.Claim
