@@ -94,8 +94,16 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: t.iso})
 	s.queueTimeouts(b)
+	claimQ := s.q.claim
+	if t.counting {
+		// The keys' locks for the session, as a single counting claim takes its own: a failed
+		// statement of a member's handler aborts the batch's transaction, which would release
+		// transaction-level locks at once, before the members' failures are recorded. Every
+		// one is released when the batch ends (claimTx.end, commitWith).
+		claimQ, t.sessionAll = s.q.claimSession, true
+	}
 	for k, d := range ds {
-		b.Queue(s.q.claim.sql, s.q.claim.args(s.claimArgs(d, t.periods[k]))...).Exec(func(ct pgconn.CommandTag) error {
+		b.Queue(claimQ.sql, claimQ.args(s.claimArgs(d, t.periods[k]))...).Exec(func(ct pgconn.CommandTag) error {
 			claimed[k] = ct.RowsAffected() == 1
 			return nil
 		})
@@ -329,7 +337,10 @@ func (t *batchTx) Commit(ctx context.Context) error {
 				clear = append(clear, clearKey{m.key, t.periods[k]})
 			}
 		}
-		err := t.s.commitWith(ctx, t.conn, t.iso, clear, "")
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear, release{all: t.sessionAll})
+		if err == nil {
+			t.sessionAll = false // released in COMMIT's round trip
+		}
 		switch {
 		case err == nil:
 		case errors.Is(err, contract.ErrCommitRolledBack):

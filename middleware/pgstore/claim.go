@@ -86,6 +86,13 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	if err != nil {
 		return nil, contract.Claim{}, s.failedClaim(ctx, t, first, err)
 	}
+	if ans.preLock && claimed && !ans.locked {
+		// The key's lock was held when tried ahead of the claim, and released before the
+		// claim tried it: claim again, with a snapshot later than the lock.
+		t.session = false
+		_ = t.end(ctx, t.rollback)
+		return nil, contract.Claim{}, errKeyHeld
+	}
 	if d.CountFirst && t.counting && !t.counted {
 		return t.notCounted(ctx, d, claimed)
 	}
@@ -126,6 +133,8 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 
 // claimAnswers are what the claim's round trip answered.
 type claimAnswers struct {
+	preLock bool // the key's session lock was tried ahead of the claim's transaction
+	locked  bool // and taken
 	first   countFirstResult
 	claimed bool            // the claim inserted the key
 	rec     contract.Record // the key's attempt record (counting, not counted first)
@@ -144,8 +153,23 @@ func (s *Store) claimBatch(t *claimTx, d contract.Delivery, lvl pgx.TxIsoLevel) 
 	ans := &claimAnswers{}
 	b := &pgx.Batch{}
 	countFirst := t.counting && d.CountFirst
-	if countFirst {
-		b.BeginTx(pgx.TxOptions{})
+	// Counting under REPEATABLE READ or SERIALIZABLE without a count first: the key's lock is
+	// taken for the session in a READ COMMITTED transaction of its own ahead of the claim's,
+	// as count_first.sql takes it, so that the claim's snapshot, taken at its first statement,
+	// is later than the lock: a snapshot taken before it could miss the attempt record a
+	// delivery that held the key committed just before releasing it.
+	ans.preLock = t.counting && !countFirst && lvl != pgx.ReadCommitted
+	switch {
+	case ans.preLock:
+		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		t.trySession = true
+		b.Queue(s.q.lockSession.sql, s.q.lockSession.args(&queryArgs{lockKey: t.lockKey})...).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&ans.locked)
+		})
+		b.Queue("commit")
+		b.Queue(beginSQL(lvl))
+	case countFirst:
+		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 		b.Queue("set local synchronous_commit = off")
 		a := s.claimArgs(d, t.period)
 		a.countToken = rand.Int64()
@@ -153,12 +177,12 @@ func (s *Store) claimBatch(t *claimTx, d contract.Delivery, lvl pgx.TxIsoLevel) 
 		b.Queue(s.q.countFirst.sql, s.q.countFirst.args(a)...).QueryRow(ans.first.scan)
 		b.Queue("commit").Exec(func(pgconn.CommandTag) error { ans.first.committed = true; return nil })
 		b.Queue(beginSQL(lvl))
-	} else {
+	default:
 		b.BeginTx(pgx.TxOptions{IsoLevel: lvl})
 	}
 	s.queueTimeouts(b)
 	claimQ := s.q.claim
-	if t.counting && !countFirst {
+	if t.counting && !countFirst && !ans.preLock {
 		// Counting without a count first: the key's lock for the session (claim.sql).
 		claimQ, t.trySession = s.q.claimSession, true
 	}
@@ -506,6 +530,9 @@ type claimTx struct {
 	// trySession: the round trip tried the key's session lock (count_first.sql, or claim.sql
 	// with .Session).
 	trySession bool
+	// sessionAll: a counting batch, whose claims may hold their keys' locks for the session:
+	// end releases every session-level advisory lock of the connection.
+	sessionAll bool
 	countToken int64
 	attempts   int  // the key's count with this delivery's own, as the claim found it
 	dirty      bool // the key may have an attempt record for Commit to clear
@@ -531,6 +558,13 @@ func (t *claimTx) end(ctx context.Context, f func(context.Context) error) error 
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), t.finish)
 	defer cancel()
 	err := f(dctx)
+	if t.sessionAll && !t.conn.Conn().IsClosed() {
+		// A batch's keys, each locked for the session by its claim (claim.sql with .Session).
+		if _, uerr := t.conn.Exec(dctx, "SELECT pg_advisory_unlock_all()"); uerr != nil {
+			_ = t.conn.Conn().Close(dctx)
+		}
+		t.sessionAll = false
+	}
 	if t.session && !t.conn.Conn().IsClosed() {
 		// The key's session lock (a delivery counted before its handler), now that the
 		// transaction is over; a connection that cannot release it is closed, so the lock
@@ -585,14 +619,14 @@ func (t *claimTx) Commit(ctx context.Context) error {
 		if t.dirty {
 			clear = []clearKey{{t.key, t.period}}
 		}
-		unlock := ""
+		rel := release{}
 		if t.session {
-			unlock = t.lockKey
+			rel.key = t.lockKey
 		}
-		err := t.s.commitWith(ctx, t.conn, t.iso, clear, unlock)
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear, rel)
 		if err != nil {
 			t.commitFailed = true
-		} else if unlock != "" {
+		} else if !rel.none() {
 			t.session = false // released in COMMIT's round trip
 		}
 		return err
@@ -657,10 +691,10 @@ type clearKey struct {
 
 // commitWith sends COMMIT on conn with the clean-up of clear's attempt records (see
 // claimTx.Commit), and classifies its outcome.
-func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey, unlockKey string) error {
+func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey, rel release) error {
 	q := s.q.clearProcessed
 	inside := iso == pgx.ReadCommitted && conn.Conn().PgConn().TxStatus() == 'T'
-	if len(clear) == 0 && unlockKey == "" {
+	if len(clear) == 0 && rel.none() {
 		return commitAlone(ctx, conn)
 	}
 	b := &pgx.Batch{}
@@ -677,12 +711,12 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 		}
 	}
 	unlocked := false
-	if unlockKey != "" {
-		b.Queue(s.q.unlock.sql, s.q.unlock.args(&queryArgs{lockKey: unlockKey})...).Exec(func(pgconn.CommandTag) error { unlocked = true; return nil })
+	if !rel.none() {
+		s.queueRelease(b, rel).Exec(func(pgconn.CommandTag) error { unlocked = true; return nil })
 	}
 	err := conn.Conn().SendBatch(ctx, b).Close()
 	switch {
-	case tag.String() == "COMMIT" && unlockKey != "" && !unlocked:
+	case tag.String() == "COMMIT" && !rel.none() && !unlocked:
 		// Committed, but the key's session lock may still be held: do not reuse the
 		// connection.
 		_ = conn.Conn().Close(ctx)
@@ -823,4 +857,22 @@ func (s *Store) registerConsumer(ctx context.Context, name string) error {
 	}
 	s.registered.Store(name, true)
 	return nil
+}
+
+// release says which session-level advisory locks a COMMIT's round trip releases: one key's
+// (queries/unlock.sql), or, for a batch, every one the connection holds
+// (pg_advisory_unlock_all).
+type release struct {
+	key string
+	all bool
+}
+
+func (r release) none() bool { return r.key == "" && !r.all }
+
+// queueRelease queues the statement that releases r on b.
+func (s *Store) queueRelease(b *pgx.Batch, r release) *pgx.QueuedQuery {
+	if r.all {
+		return b.Queue("SELECT pg_advisory_unlock_all()")
+	}
+	return b.Queue(s.q.unlock.sql, s.q.unlock.args(&queryArgs{lockKey: r.key})...)
 }

@@ -124,6 +124,7 @@ type queries struct {
 	clearProcessedAsync, countFirst, unlock          query
 	unlockIfHeld, takeBackLost, clearCounted         query
 	duplicateAge, duplicateAges, claimSession        query
+	lockSession                                      query
 }
 
 func newQueries(n queryNames) queries {
@@ -140,6 +141,7 @@ func newQueries(n queryNames) queries {
 		takeBackLost:        renderQuery("take_back_lost", n),
 		clearCounted:        renderQuery("clear_counted", n),
 		claimSession:        renderQuery("claim", withSession(n)),
+		lockSession:         renderQuery("lock_session", n),
 		countFailure:        renderQuery("count_failure", n),
 		settleCount:         renderQuery("settle_count", n),
 		markDeadLettered:    renderQuery("mark_dead_lettered", n),

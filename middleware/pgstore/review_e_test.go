@@ -574,3 +574,70 @@ func TestReviewEFailedStatementOfAFirstDeliveryKeepsItsKey(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchMemberFailedStatementKeepsTheKeys: the batched mode's form of
+// TestReviewEFailedStatementOfAFirstDeliveryKeepsItsKey. A counting batch of two first
+// deliveries; a statement of the first member's handler fails, which aborts the batch's
+// transaction (PostgreSQL releases its transaction-level locks at once). Until the batch has
+// recorded that member's failure and ended, a copy of either member must find its key held;
+// afterwards the failed member's copy reads its one attempt (Exhausted with MaxAttempts 1),
+// and no advisory lock is left.
+func TestBatchMemberFailedStatementKeepsTheKeys(t *testing.T) {
+	for _, l := range everyLayout {
+		for _, iso := range []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable} {
+			t.Run(fmt.Sprintf("%s/%s", l.name, iso), func(t *testing.T) {
+				s, sch := layoutStore(t, 4, l.cfg)
+				keys := newLayoutKeys(s.Config())
+				ctx := context.Background()
+				ds := []contract.Delivery{keys.claim("m-batch-a"), keys.claim("m-batch-b")}
+				for k := range ds {
+					ds[k].MaxAttempts, ds[k].CountFirst, ds[k].Isolation = 1, false, iso
+				}
+				bt, cs, err := s.ClaimBatch(ctx, ds)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for k, c := range cs {
+					if c.Decision != contract.Run {
+						t.Fatalf("member %d: %s, want Run", k, decisionName(c.Decision))
+					}
+				}
+				ptx, ok := pgstore.TxFromContext(bt.Context(ctx))
+				if !ok {
+					t.Fatal("no transaction in the batch's context")
+				}
+				if _, err := ptx.Exec(ctx, "SELECT 1/0"); err == nil {
+					t.Fatal("SELECT 1/0 succeeded")
+				}
+				for k, d := range ds {
+					cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+					tx, c, err := s.Claim(cctx, d)
+					cancel()
+					release(tx)
+					if !errors.Is(err, pgstore.ErrClaimInFlight) {
+						t.Errorf("a copy of member %d while the aborted batch is in flight: %v, decision %s; want ErrClaimInFlight", k, err, decisionName(c.Decision))
+					}
+				}
+				if _, err := bt.Drop(ctx, 0, contract.Failure{Counts: true, Error: "division by zero"}); err != nil {
+					t.Fatalf("Drop: %v", err)
+				}
+				if err := bt.Rollback(ctx); err != nil {
+					t.Fatalf("Rollback: %v", err)
+				}
+				if _, c := mustClaim(t, s, ds[0], contract.Exhausted); c.Attempts != 1 {
+					t.Errorf("the failed member's copy: %d earlier attempts, want 1", c.Attempts)
+				}
+				tx, c := mustClaim(t, s, ds[1], contract.Run)
+				if c.Attempts != 0 {
+					t.Errorf("the other member's copy: %d earlier attempts, want 0", c.Attempts)
+				}
+				release(tx)
+				for k, d := range ds {
+					if n := keyLocks(t, sch.Pool, s, d.Key); n != 0 {
+						t.Errorf("member %d: %d advisory locks on the key at the end", k, n)
+					}
+				}
+			})
+		}
+	}
+}
