@@ -80,7 +80,7 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	t.lockKey = s.lockKey(d.Key)
 	b, ans := s.claimBatch(t, d, lvl)
 	err = s.sendClaim(ctx, conn, b, t)
-	first, claimed, rec := ans.first, ans.claimed, ans.rec
+	first, claimed := ans.first, ans.claimed
 	t.counted = first.committed && first.counted
 	t.session = t.counted || (t.trySession && !t.countSent && claimed)
 	if err != nil {
@@ -96,7 +96,13 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 	if d.CountFirst && t.counting && !t.counted {
 		return t.notCounted(ctx, d, claimed)
 	}
-	if !claimed {
+	return t.decide(ctx, d, lvl, ans)
+}
+
+// decide turns what a claimed (or duplicate) round trip answered into the decision, ending t
+// unless it is Run.
+func (t *claimTx) decide(ctx context.Context, d contract.Delivery, lvl pgx.TxIsoLevel, ans *claimAnswers) (*claimTx, contract.Claim, error) {
+	if !ans.claimed {
 		stored, at, err := t.endDuplicate(ctx)
 		if err != nil {
 			return nil, contract.Claim{}, err
@@ -105,8 +111,9 @@ func (s *Store) claimOnce(ctx context.Context, d contract.Delivery) (*claimTx, c
 		c.StoredAt = at
 		return nil, c, nil
 	}
+	rec := ans.rec
 	if d.CountFirst && t.counting {
-		rec = first.rec
+		rec = ans.first.rec
 	}
 	rec.Counted = t.counted
 	c := contract.Decide(d, true, nil, rec)
