@@ -48,9 +48,12 @@ func inTx(msg *message.Message, tx pgx.Tx, handler func(*message.Message) error)
 // hand and no middleware: BEGIN and the default claim (INSERT ... SELECT ... WHERE
 // pg_try_advisory_xact_lock(...) ON CONFLICT DO NOTHING) pipelined in one round trip, as
 // pgstore sends them, then the handler's UPDATE, then COMMIT; ratio-ceiling-dlq adds the
-// attempt-record read that the dead-letter path sends in the same round trip. These two are
-// the most any middleware issuing those statements through pgx could reach; inbox/ceiling is
-// what the middleware itself costs. All run in the same
+// attempt-record read that the dead-letter path sends in the same round trip;
+// ratio-ceiling-nosignal sends the statements of a delivery counted before its handler
+// (pgstore's claim.go) by hand: BEGIN, SET LOCAL synchronous_commit = off, the count, COMMIT,
+// BEGIN and the claim and the count's clean-up, in one round trip; the UPDATE; COMMIT and the
+// key's unlock. These three are the most any middleware issuing those statements through pgx
+// could reach; inbox/ceiling is what the middleware itself costs. All run in the same
 // benchmark iteration, interleaved in chunks whose order rotates (every mode runs once in
 // every position), so their ratios are measured under the same machine load. Each delivery is
 // acked before its publisher sends the next message
@@ -153,6 +156,61 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		}
 	}
 	ceilingPlain, ceilingDLQ := ceiling(false), ceiling(true)
+	// ceilingCounted sends, by hand, the statements of a delivery that counts first
+	// (pgstore's claim.go): the count in a transaction of its own ahead of the claim's, the
+	// count cleared inside the claim's transaction, and the key's session lock released
+	// after COMMIT, in the same three round trips.
+	countSQL := "INSERT INTO " + store.AttemptsTable() + " AS a (message_id, consumer_name, count_token)" +
+		" SELECT $1, $2, $3 WHERE pg_try_advisory_lock(hashtextextended($4, 0))" +
+		" ON CONFLICT (message_id, consumer_name) DO UPDATE SET attempts = a.attempts + 1, last_attempt_at = now(), count_token = EXCLUDED.count_token" +
+		" WHERE a.dead_lettered_at IS NULL RETURNING a.attempts, a.last_error"
+	clearSQL := "DELETE FROM " + store.AttemptsTable() + " WHERE message_id = $1 AND consumer_name = $2 AND count_token = $3 AND dead_lettered_at IS NULL"
+	unlockSQL := "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
+	ceilingCounted := func(msg *message.Message) error {
+		const consumer = "bench-ceiling-counted"
+		hash := sha256.Sum256(msg.Payload)
+		lock := store.Table() + "\x1f" + consumer + "\x1f" + msg.UUID
+		token := rand.Int64()
+		batch := &pgx.Batch{}
+		batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		batch.Queue("set local synchronous_commit = off")
+		batch.Queue(countSQL, msg.UUID, consumer, token, lock).QueryRow(func(row pgx.Row) error {
+			var attempts int32
+			var lastError *string
+			return row.Scan(&attempts, &lastError)
+		})
+		batch.Queue("commit")
+		batch.Queue("begin isolation level read committed")
+		claimed := false
+		batch.Queue(claimSQL, msg.UUID, consumer, nil, nil, hash[:], lock).
+			Exec(func(ct pgconn.CommandTag) error { claimed = ct.RowsAffected() == 1; return nil })
+		batch.Queue(clearSQL, msg.UUID, consumer, token)
+		conn, err := sch.Pool.Acquire(msg.Context())
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		br := conn.Conn().SendBatch(msg.Context(), batch)
+		tx := br.Tx()
+		if err := br.Close(); err != nil {
+			return err
+		}
+		if !claimed {
+			return fmt.Errorf("ceiling: message %s not claimed", msg.UUID)
+		}
+		orig := msg.Context()
+		msg.SetContext(context.WithValue(orig, bareTxKey{}, tx))
+		err = handler(msg)
+		msg.SetContext(orig)
+		if err != nil {
+			_ = tx.Rollback(context.WithoutCancel(orig))
+			return err
+		}
+		end := &pgx.Batch{}
+		end.Queue("commit")
+		end.Queue(unlockSQL, lock)
+		return conn.Conn().SendBatch(context.WithoutCancel(orig), end).Close()
+	}
 
 	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
 	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
@@ -174,6 +232,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 		})
 		router.AddConsumerHandler(fmt.Sprintf("ceiling-%d", i), fmt.Sprintf("ceiling-%d", i), pubsub, ceilingPlain)
 		router.AddConsumerHandler(fmt.Sprintf("ceilingdlq-%d", i), fmt.Sprintf("ceilingdlq-%d", i), pubsub, ceilingDLQ)
+		router.AddConsumerHandler(fmt.Sprintf("ceilingcounted-%d", i), fmt.Sprintf("ceilingcounted-%d", i), pubsub, ceilingCounted)
 		router.AddConsumerHandler(fmt.Sprintf("counted-%d", i), fmt.Sprintf("counted-%d", i), pubsub, func(m *message.Message) error {
 			_, err := counted.Middleware(func(m *message.Message) ([]*message.Message, error) { return nil, handler(m) })(m)
 			return err
@@ -211,9 +270,10 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	run("counted", 2*slots)
 	run("ceiling", 2*slots)
 	run("ceilingdlq", 2*slots)
+	run("ceilingcounted", 2*slots)
 
 	b.ResetTimer()
-	var bareT, inboxT, dlqT, countedT, ceilT, ceilDLQT time.Duration
+	var bareT, inboxT, dlqT, countedT, ceilT, ceilDLQT, ceilCountedT time.Duration
 	// Interleave in chunks so every mode sees the same machine conditions, and rotate the
 	// order, one chunk per mode, so every mode runs once in every position: a mode's rate
 	// depends on the mode that ran just before it (measured: the mode right after bare ran
@@ -221,7 +281,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	modes := []struct {
 		prefix string
 		took   *time.Duration
-	}{{"bare", &bareT}, {"inbox", &inboxT}, {"dlq", &dlqT}, {"counted", &countedT}, {"ceiling", &ceilT}, {"ceilingdlq", &ceilDLQT}}
+	}{{"bare", &bareT}, {"inbox", &inboxT}, {"dlq", &dlqT}, {"counted", &countedT}, {"ceiling", &ceilT}, {"ceilingdlq", &ceilDLQT}, {"ceilingcounted", &ceilCountedT}}
 	chunks := len(modes)
 	for c := range chunks {
 		n := b.N / chunks
@@ -243,6 +303,7 @@ func benchInboxVsBare(b *testing.B, slots int) {
 	b.ReportMetric(float64(b.N)/countedT.Seconds()/bareRate, "ratio-dlq-nosignal")
 	b.ReportMetric(float64(b.N)/ceilT.Seconds()/bareRate, "ratio-ceiling")
 	b.ReportMetric(float64(b.N)/ceilDLQT.Seconds()/bareRate, "ratio-ceiling-dlq")
+	b.ReportMetric(float64(b.N)/ceilCountedT.Seconds()/bareRate, "ratio-ceiling-nosignal")
 	b.ReportMetric(0, "ns/op")
 	if got := ib.Stats().Processed; got < uint64(b.N) {
 		b.Fatalf("inbox processed %d of %d messages", got, b.N)
