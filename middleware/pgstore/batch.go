@@ -26,7 +26,8 @@ var errSwallowed = errors.New("pgstore: a statement of the handler failed but th
 //
 //	BEGIN ISOLATION LEVEL ...; [the local timeouts;] per member: queries/claim.sql [, queries/record.sql]
 //
-// and decides for each (contract.Decide). A second round trip, only when a member was not
+// (counting under REPEATABLE READ or SERIALIZABLE, after every member's queries/lock_session.sql
+// in a READ COMMITTED transaction of its own, as a single claim does) and decides for each (contract.Decide). A second round trip, only when a member was not
 // run, reads the stored payload hashes of the members not inserted (queries/stored_hash.sql)
 // and takes the claims of claimed members that are not to run out of the transaction
 // (queries/drop_claim.sql). A member whose key a delivery in flight holds is decided RunAlone:
@@ -92,7 +93,27 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	claimed := make([]bool, len(ds))
 	recs := make([]contract.Record, len(ds))
 	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{IsoLevel: t.iso})
+	// Counting under REPEATABLE READ or SERIALIZABLE: the keys' locks are taken for the
+	// session in a READ COMMITTED transaction of their own ahead of the batch's, as a single
+	// claim takes its key's (claimBatch), so that the batch's snapshot, taken at its first
+	// claim, is later than every member's lock: a snapshot taken before a member's lock could
+	// miss the attempt record the delivery that held the key committed just before releasing
+	// it. A member whose lock was held then is decided RunAlone even if its claim took the
+	// lock later.
+	preLock := t.counting && t.iso != pgx.ReadCommitted
+	locked := make([]bool, len(ds))
+	if preLock {
+		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+		for k, d := range ds {
+			b.Queue(s.q.lockSession.sql, s.q.lockSession.args(&queryArgs{lockKey: s.lockKey(d.Key)})...).QueryRow(func(row pgx.Row) error {
+				return row.Scan(&locked[k])
+			})
+		}
+		b.Queue("commit")
+		b.Queue(beginSQL(t.iso))
+	} else {
+		b.BeginTx(pgx.TxOptions{IsoLevel: t.iso})
+	}
 	s.queueTimeouts(b)
 	claimQ := s.q.claim
 	if t.counting {
@@ -116,6 +137,12 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	if err := s.sendClaim(ctx, t.conn, b, &t.claimTx); err != nil {
 		return nil, s.wrapNoPartition(err, t.periods[0])
 	}
+	late := make([]bool, len(ds)) // claimed, but after a lock held when tried ahead
+	for k := range ds {
+		if preLock && claimed[k] && !locked[k] {
+			late[k], claimed[k] = true, false
+		}
+	}
 	t.h = &handlerTx{Tx: t.tx}
 	claims := make([]contract.Claim, len(ds))
 	stored := make([][]byte, len(ds))
@@ -124,6 +151,10 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	b = &pgx.Batch{}
 	for k, d := range ds {
 		m := &t.members[k]
+		if late[k] {
+			b.Queue(s.q.dropClaim.sql, s.q.dropClaim.args(keyArgs(d.Key, t.periods[k]))...)
+			continue
+		}
 		if !claimed[k] {
 			b.Queue(s.q.storedHash.sql, s.q.storedHash.args(keyArgs(d.Key, t.periods[k]))...).QueryRow(func(row pgx.Row) error {
 				err := s.scanHash(row, &stored[k], &storedAt[k])
@@ -153,7 +184,7 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	for k, d := range ds {
 		switch {
 		case claimed[k]:
-		case held[k]:
+		case held[k] || late[k]:
 			claims[k] = contract.Claim{Decision: contract.RunAlone}
 		default:
 			claims[k] = contract.Decide(d, false, stored[k], contract.Record{})

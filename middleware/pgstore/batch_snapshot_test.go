@@ -1,0 +1,121 @@
+package pgstore_test
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+)
+
+// TestBatchSnapshotSeesTheLastHoldersRecord: under REPEATABLE READ and SERIALIZABLE a batch's
+// snapshot is taken at its first claim. A member whose key another delivery held until just
+// after that snapshot (it recorded its failure and released the key while the batch's first
+// claim waited) must not run with the attempts the old snapshot shows: the batch takes its
+// keys' locks ahead of its snapshot, and such a member is decided RunAlone. The wait is made
+// real: a trigger stops the insert of the batch's first claim, after its snapshot, on an advisory
+// lock the test holds until the holder of the second key has failed.
+func TestBatchSnapshotSeesTheLastHoldersRecord(t *testing.T) {
+	for _, l := range everyLayout {
+		for _, iso := range []sql.IsolationLevel{sql.LevelRepeatableRead, sql.LevelSerializable} {
+			for _, countFirst := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s/%s/countFirst=%v", l.name, iso, countFirst), func(t *testing.T) {
+					s, sch := layoutStore(t, 6, l.cfg)
+					keys := newLayoutKeys(s.Config())
+					ctx := context.Background()
+					ds := []contract.Delivery{keys.claim("m-snap-a"), keys.claim("m-snap-b")}
+					for k := range ds {
+						ds[k].MaxAttempts, ds[k].CountFirst, ds[k].Isolation = 3, countFirst, iso
+					}
+					// The gate: a trigger that makes the insert of the first member's claim
+					// wait for an advisory lock the test holds, after the batch's snapshot.
+					gate, err := sch.Pool.Acquire(ctx)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer gate.Release()
+					if _, err := gate.Exec(ctx, "SELECT pg_advisory_lock(4242)"); err != nil {
+						t.Fatal(err)
+					}
+					defer func() { _, _ = gate.Exec(ctx, "SELECT pg_advisory_unlock_all()") }()
+					if _, err := sch.Pool.Exec(ctx, fmt.Sprintf(`CREATE FUNCTION %[1]s.gate() RETURNS trigger LANGUAGE plpgsql AS $$
+						BEGIN IF NEW.message_id::text = %[2]s THEN PERFORM pg_advisory_xact_lock(4242); END IF; RETURN NEW; END $$;
+						CREATE TRIGGER gate BEFORE INSERT ON %[3]s FOR EACH ROW EXECUTE FUNCTION %[1]s.gate()`,
+						sch.Name, "'"+ds[0].Key.MessageID+"'", s.Table())); err != nil {
+						t.Fatal(err)
+					}
+					holder := ds[1]
+					holder.CountFirst, holder.Isolation = false, sql.LevelReadCommitted
+					htx, _ := mustClaim(t, s, holder, contract.Run)
+
+					type result struct {
+						bt  contract.BatchTx
+						cs  []contract.Claim
+						err error
+					}
+					done := make(chan result, 1)
+					go func() {
+						bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+						defer cancel()
+						bt, cs, err := s.ClaimBatch(bctx, ds)
+						done <- result{bt, cs, err}
+					}()
+					waitForClaimBlocked(t, sch.Pool)
+					if n, err := htx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil || n != 1 {
+						t.Fatalf("the holder's Fail: %d, %v; want 1 attempt", n, err)
+					}
+					if _, err := gate.Exec(ctx, "SELECT pg_advisory_unlock(4242)"); err != nil {
+						t.Fatal(err)
+					}
+					r := <-done
+					if r.err != nil {
+						t.Fatalf("ClaimBatch: %v", r.err)
+					}
+					if c := r.cs[1]; c.Decision == contract.Run && c.Attempts != 1 {
+						t.Errorf("the member whose key was held: Run with %d earlier attempts, want 1 (or RunAlone)", c.Attempts)
+					}
+					if c := r.cs[0]; c.Decision != contract.Run || c.Attempts != 0 {
+						t.Errorf("the other member: %s with %d earlier attempts, want Run with 0", decisionName(c.Decision), c.Attempts)
+					}
+					if err := r.bt.Rollback(ctx); err != nil {
+						t.Fatalf("Rollback: %v", err)
+					}
+					alone := ds[1]
+					alone.CountFirst = false
+					tx, c := mustClaim(t, s, alone, contract.Run)
+					if c.Attempts != 1 {
+						t.Errorf("the held member claimed alone afterwards: %d earlier attempts, want 1", c.Attempts)
+					}
+					release(tx)
+					for k, d := range ds {
+						if n := keyLocks(t, sch.Pool, s, d.Key); n != 0 {
+							t.Errorf("member %d: %d advisory locks on the key at the end", k, n)
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// waitForClaimBlocked waits until a backend's claim statement (queries/claim.sql) waits for a
+// lock.
+func waitForClaimBlocked(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		var n int
+		if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '-- The insert-first claim%'").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatal("the batch's claim never waited at the gate")
+}
