@@ -93,27 +93,8 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 	claimed := make([]bool, len(ds))
 	recs := make([]contract.Record, len(ds))
 	b := &pgx.Batch{}
-	// Counting under REPEATABLE READ or SERIALIZABLE: the keys' locks are taken for the
-	// session in a READ COMMITTED transaction of their own ahead of the batch's, as a single
-	// claim takes its key's (claimBatch), so that the batch's snapshot, taken at its first
-	// claim, is later than every member's lock: a snapshot taken before a member's lock could
-	// miss the attempt record the delivery that held the key committed just before releasing
-	// it. A member whose lock was held then is decided RunAlone even if its claim took the
-	// lock later.
-	preLock := t.counting && t.iso != pgx.ReadCommitted
-	locked := make([]bool, len(ds))
-	if preLock {
-		b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-		for k, d := range ds {
-			b.Queue(s.q.lockSession.sql, s.q.lockSession.args(&queryArgs{lockKey: s.lockKey(d.Key)})...).QueryRow(func(row pgx.Row) error {
-				return row.Scan(&locked[k])
-			})
-		}
-		b.Queue("commit")
-		b.Queue(beginSQL(t.iso))
-	} else {
-		b.BeginTx(pgx.TxOptions{IsoLevel: t.iso})
-	}
+	locked := t.begin(b, ds)
+	preLock := locked != nil
 	s.queueTimeouts(b)
 	claimQ := s.q.claim
 	if t.counting {
@@ -192,6 +173,31 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 		}
 	}
 	return claims, nil
+}
+
+// begin queues the batch's BEGIN on b. Counting under REPEATABLE READ or SERIALIZABLE, the
+// keys' locks are taken for the session first, in a READ COMMITTED transaction of their own,
+// as a single claim takes its key's (claimBatch), so that the batch's snapshot, taken at its
+// first claim, is later than every member's lock: a snapshot taken before a member's lock
+// could miss the attempt record the delivery that held the key committed just before
+// releasing it. It then returns where each lock's answer goes (nil otherwise); a member whose
+// lock was held then is decided RunAlone even if its claim took the lock later.
+func (t *batchTx) begin(b *pgx.Batch, ds []contract.Delivery) []bool {
+	if !t.counting || t.iso == pgx.ReadCommitted {
+		b.BeginTx(pgx.TxOptions{IsoLevel: t.iso})
+		return nil
+	}
+	s := t.s
+	locked := make([]bool, len(ds))
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	for k, d := range ds {
+		b.Queue(s.q.lockSession.sql, s.q.lockSession.args(&queryArgs{lockKey: s.lockKey(d.Key)})...).QueryRow(func(row pgx.Row) error {
+			return row.Scan(&locked[k])
+		})
+	}
+	b.Queue("commit")
+	b.Queue(beginSQL(t.iso))
+	return locked
 }
 
 // countFirst counts, in one request, the members to run that count first.
