@@ -1,11 +1,15 @@
 package main
 
 import (
+	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/watermill-inbox/watermill-inbox/middleware/outbox"
 	"github.com/watermill-inbox/watermill-inbox/middleware/sqlstore"
 )
 
@@ -22,7 +26,9 @@ func sqlCmd() *cobra.Command {
 
 type sqlFlags struct {
 	storeFlags
-	dialect string
+	dialect     string
+	withOutbox  bool
+	outboxTopic string
 }
 
 func (f *sqlFlags) register(cmd *cobra.Command) {
@@ -30,6 +36,44 @@ func (f *sqlFlags) register(cmd *cobra.Command) {
 	cmd.Flags().StringVar(&f.databaseURL, "database-url", "", "data source name: a PostgreSQL URL, or go-sql-driver's user:pass@tcp(host:3306)/db (default $INBOX_DATABASE_URL, then $DATABASE_URL)")
 	cmd.Flags().StringVar(&f.schema, "schema", "", "PostgreSQL schema (default public) or MySQL database (default: the connection's)")
 	cmd.Flags().StringVar(&f.table, "table", sqlstore.DefaultTable, "inbox table name")
+	cmd.Flags().BoolVar(&f.withOutbox, "outbox", false, "also the outbox table (package middleware/outbox) in the same schema or database")
+	cmd.Flags().StringVar(&f.outboxTopic, "outbox-topic", "", "the outbox topic (default "+outbox.DefaultTopic+")")
+}
+
+// outboxConfig is the outbox configuration of the flags, checked (a usage error otherwise).
+func (f *sqlFlags) outboxConfig() (outbox.Config, error) {
+	cfg := outbox.Config{Schema: f.schema, Topic: f.outboxTopic}
+	if cfg.Topic == "" {
+		cfg.Topic = outbox.DefaultTopic
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, usageError{err}
+	}
+	return cfg, nil
+}
+
+// outboxSchemaSQL is the outbox table's script for the dialect: outbox.SchemaSQL on
+// PostgreSQL, outbox.MySQLSchemaSQL on MySQL.
+func outboxSchemaSQL(d sqlstore.Dialect, cfg outbox.Config) (string, error) {
+	if d == sqlstore.MySQL {
+		return outbox.MySQLSchemaSQL(cfg)
+	}
+	return outbox.SchemaSQL(cfg)
+}
+
+// initializeOutbox creates the outbox table for the dialect: on MySQL through db
+// (outbox.InitializeMySQLSchema); on PostgreSQL through a pgx pool on url, which
+// outbox.InitializeSchema takes.
+func initializeOutbox(ctx context.Context, d sqlstore.Dialect, db *sql.DB, url string, cfg outbox.Config) error {
+	if d == sqlstore.MySQL {
+		return outbox.InitializeMySQLSchema(ctx, db, cfg)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	defer pool.Close()
+	return outbox.InitializeSchema(ctx, pool, cfg)
 }
 
 // config returns the store configuration the flags name, or a usage error.
@@ -64,10 +108,23 @@ func sqlMigrateCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			var ocfg outbox.Config
+			if f.withOutbox {
+				if ocfg, err = f.outboxConfig(); err != nil {
+					return err
+				}
+			}
 			if print {
 				script, err := sqlstore.MigrationSQL(cfg)
 				if err != nil {
 					return err
+				}
+				if f.withOutbox {
+					ob, err := outboxSchemaSQL(cfg.Dialect, ocfg)
+					if err != nil {
+						return err
+					}
+					script += ob
 				}
 				_, err = fmt.Fprint(cmd.OutOrStdout(), script)
 				return err
@@ -94,6 +151,13 @@ func sqlMigrateCmd() *cobra.Command {
 			} else {
 				_, err = fmt.Fprintf(cmd.OutOrStdout(), "%s: applied migrations %v\n", s.Table(), applied)
 			}
+			if err != nil || !f.withOutbox {
+				return err
+			}
+			if err := initializeOutbox(cmd.Context(), cfg.Dialect, db, url, ocfg); err != nil {
+				return err
+			}
+			_, err = fmt.Fprintf(cmd.OutOrStdout(), "outbox table for topic %s: present\n", ocfg.Topic)
 			return err
 		},
 	}
@@ -117,6 +181,21 @@ func sqlGrantsCmd() *cobra.Command {
 			script, err := sqlstore.GrantSQL(cfg, user)
 			if err != nil {
 				return usageError{err}
+			}
+			if f.withOutbox {
+				ocfg, err := f.outboxConfig()
+				if err != nil {
+					return err
+				}
+				grant := outbox.GrantSQL
+				if cfg.Dialect == sqlstore.MySQL {
+					grant = outbox.MySQLGrantSQL
+				}
+				ob, err := grant(ocfg, user)
+				if err != nil {
+					return usageError{err}
+				}
+				script += ob
 			}
 			_, err = fmt.Fprint(cmd.OutOrStdout(), script)
 			return err

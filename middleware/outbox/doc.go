@@ -115,7 +115,9 @@
 // wait for it; a deadlock between them (MySQL 1213) is retried, by the inbox or by the relay's
 // next poll. The rest of this documentation holds on MySQL too, except what names
 // PostgreSQL's snapshots, offsets tables and SQLSTATEs; rows have no transaction id
-// (MalformedRow.TransactionID is 0), and GrantSQL and SchemaSQL are PostgreSQL's only.
+// (MalformedRow.TransactionID is 0), and GrantSQL and SchemaSQL are PostgreSQL's only:
+// MySQLGrantSQL and MySQLSchemaSQL are their MySQL counterparts (`watermill-inbox sql grants
+// --dialect mysql --outbox` and `sql migrate --dialect mysql --outbox` print and apply them).
 //
 // # Schema
 //

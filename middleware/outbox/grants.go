@@ -69,3 +69,27 @@ func GrantSQL(cfg Config, role string) (string, error) {
 	fmt.Fprintf(&b, "GRANT SELECT, INSERT, UPDATE ON %s TO %s;\n", cfg.OffsetsTable(), r)
 	return b.String(), nil
 }
+
+// MySQLGrantSQL is GrantSQL for MySQL and MariaDB (the outbox of sqlstore's MySQL dialect):
+// the GRANT statements that let user 'user'@'%' write produced messages to the outbox table of
+// cfg (MySQLMessagesTable, which InitializeMySQLSchema creates) and run the Relay, with nothing
+// more, one statement a line: SELECT, INSERT, DELETE on the table (the INSERT of Outbox.Store;
+// the relay's polls, SELECT ... FOR UPDATE, which MySQL 8 allows with SELECT and DELETE; the
+// DELETE of a relayed row in the relay's transaction). watermill-sql's MySQL queue schema has
+// no offsets table and no sequence (the `offset` column is AUTO_INCREMENT). An unqualified cfg
+// (no Schema) names the table in the database current when the statements run. An invalid
+// topic or schema (Config.Validate) or a user name that is not a letter or underscore followed
+// by up to 31 letters, digits or underscores gives an error wrapping inbox.ErrInvalidConfig.
+func MySQLGrantSQL(cfg Config, user string) (string, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return "", err
+	}
+	if err := ident.Validate("user name", user, 32); err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "-- the outbox (topic %s): application user '%s'@'%%'\n", cfg.Topic, user)
+	fmt.Fprintf(&b, "GRANT SELECT, INSERT, DELETE ON %s TO '%s'@'%%';\n", cfg.MySQLMessagesTable(), user)
+	return b.String(), nil
+}

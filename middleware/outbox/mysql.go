@@ -41,6 +41,30 @@ func InitializeMySQLSchema(ctx context.Context, db *stdsql.DB, cfg Config) error
 	return nil
 }
 
+// MySQLSchemaSQL returns the statement InitializeMySQLSchema runs (CREATE TABLE IF NOT EXISTS
+// of MySQLMessagesTable, watermill-sql's MySQL queue schema), as a script for users who apply
+// migrations with their own tool. It does not connect. An invalid cfg gives an error wrapping
+// inbox.ErrInvalidConfig.
+func MySQLSchemaSQL(cfg Config) (string, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return "", err
+	}
+	qs, err := cfg.mysqlSchemaAdapter(0).SchemaInitializingQueries(wmsql.SchemaInitializingQueriesParams{Topic: cfg.Topic})
+	if err != nil {
+		return "", fmt.Errorf("outbox: messages table statements: %w", err)
+	}
+	var b strings.Builder
+	for _, q := range qs {
+		if len(q.Args) > 0 {
+			return "", errors.New("outbox: a schema statement has arguments; use InitializeMySQLSchema")
+		}
+		b.WriteString(strings.TrimSuffix(strings.TrimSpace(q.Query), ";"))
+		b.WriteString(";\n")
+	}
+	return b.String(), nil
+}
+
 // CheckMySQLSchema is CheckSchema for MySQL and MariaDB: nil when the outbox table of cfg
 // exists in cfg.Schema (or the connection's current database), an error wrapping
 // ErrSchemaMissing that names it, an error wrapping inbox.ErrInvalidConfig for a nil db or

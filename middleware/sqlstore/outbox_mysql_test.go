@@ -3,11 +3,13 @@ package sqlstore_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/go-sql-driver/mysql"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
 	"github.com/watermill-inbox/watermill-inbox/middleware/inbox"
@@ -183,5 +185,124 @@ func TestOutboxOnSQLStoreMySQL(t *testing.T) {
 	lag, err := relay.Lag(ctx)
 	if err != nil || lag.Pending != 0 || lag.OffsetGap != 0 {
 		t.Fatalf("relay lag %+v (%v), want nothing pending", lag, err)
+	}
+}
+
+// TestOutboxOnSQLStoreMySQLLeastPrivilegedUser: a MySQL user holding exactly sqlstore.GrantSQL's
+// and outbox.MySQLGrantSQL's grants (and its own accounts table's) runs the inbox with the
+// outbox and the relay: a delivery credits once and its produced message is relayed once, then
+// its outbox row deleted; a duplicate produces nothing; the user cannot create the outbox
+// table itself.
+func TestOutboxOnSQLStoreMySQLLeastPrivilegedUser(t *testing.T) {
+	b := newBank(t, sqlstore.MySQL, 4)
+	ctx := ctxT(t)
+	ocfg := outbox.Config{Schema: b.schema, Topic: "receipts"}
+	if err := outbox.InitializeMySQLSchema(ctx, b.db, ocfg); err != nil {
+		t.Fatal(err)
+	}
+	user := randomName("wo_")
+	b.exec(t, "CREATE USER '"+user+"'@'%'")
+	t.Cleanup(func() { _, _ = b.db.Exec("DROP USER IF EXISTS '" + user + "'@'%'") })
+	inboxGrants, err := sqlstore.GrantSQL(b.store.Config(), user)
+	if err != nil {
+		t.Fatal(err)
+	}
+	outboxGrants, err := outbox.MySQLGrantSQL(ocfg, user)
+	if err != nil {
+		t.Fatal(err)
+	}
+	script := inboxGrants + outboxGrants + "GRANT SELECT, UPDATE ON `" + b.schema + "`.accounts TO '" + user + "'@'%';\n"
+	for _, stmt := range strings.Split(strings.TrimSpace(script), "\n") {
+		if !strings.HasPrefix(stmt, "--") {
+			b.exec(t, strings.TrimSuffix(stmt, ";"))
+		}
+	}
+	dsn, err := mysql.ParseDSN(b.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dsn.User, dsn.Passwd = user, ""
+	app := (&env{dialect: sqlstore.MySQL, schema: b.schema}).open(t, dsn.FormatDSN(), 4)
+	if err := outbox.InitializeMySQLSchema(ctx, app, outbox.Config{Schema: b.schema, Topic: "other"}); err == nil {
+		t.Fatal("the user created an outbox table")
+	}
+	store, err := sqlstore.New(app, b.store.Config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob, err := outbox.New(ocfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib := b.inbox(func(c *inbox.Config) { c.Store = store; c.Outbox = ob })
+	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if err := b.credit(msg, 1, 100); err != nil {
+			return nil, err
+		}
+		return []*message.Message{message.NewMessage("out-"+msg.UUID, []byte(`{}`))}, nil
+	})
+	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 16}, nil)
+	t.Cleanup(func() { _ = broker.Close() })
+	received, err := broker.Subscribe(ctx, "ledger")
+	if err != nil {
+		t.Fatal(err)
+	}
+	relay, err := outbox.NewRelay(outbox.RelayConfig{Config: ocfg, MySQL: app, Publisher: broker, PollInterval: 20 * time.Millisecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(context.Background()) }()
+	t.Cleanup(func() {
+		_ = relay.Close()
+		if err := <-relayDone; err != nil {
+			t.Errorf("relay.Run: %v", err)
+		}
+	})
+	<-relay.Running()
+	for range 2 { // the second delivery is a duplicate
+		m := message.NewMessage("pay-1", []byte(`{}`))
+		m.SetContext(inbox.ContextWithPublishTopic(ctx, "ledger"))
+		if _, err := h(m); err != nil {
+			t.Fatalf("delivery as the least-privileged user: %v", err)
+		}
+	}
+	select {
+	case m := <-received:
+		m.Ack()
+		if m.UUID != "out-pay-1" {
+			t.Fatalf("relayed %s, want out-pay-1", m.UUID)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("out-pay-1 was not relayed within 10 s")
+	}
+	for deadline := time.Now().Add(5 * time.Second); b.count(t, "SELECT count(*) FROM "+ocfg.MySQLMessagesTable()) != 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the relayed row was not deleted")
+		}
+	}
+	select {
+	case m := <-received:
+		t.Fatalf("relayed %s again", m.UUID)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if got, n := b.balance(1), processedRows(t, b.store); got != 100 || n != 1 {
+		t.Fatalf("balance %d, %d inbox rows; want 100 and 1", got, n)
+	}
+}
+
+// TestMySQLGrantSQLRefusesBadNames: a user name that could break out of its quotes, an empty
+// one and an invalid topic are refused before any statement is written.
+func TestMySQLGrantSQLRefusesBadNames(t *testing.T) {
+	for _, c := range []struct {
+		cfg  outbox.Config
+		user string
+	}{
+		{outbox.Config{}, "app'@'%"}, {outbox.Config{}, ""}, {outbox.Config{}, "a b"}, {outbox.Config{}, "a`b"},
+		{outbox.Config{Topic: "a`b"}, "app"}, {outbox.Config{Schema: "x'y"}, "app"},
+	} {
+		if s, err := outbox.MySQLGrantSQL(c.cfg, c.user); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("MySQLGrantSQL(%+v, %q): %q, %v; want ErrInvalidConfig", c.cfg, c.user, s, err)
+		}
 	}
 }
