@@ -182,7 +182,10 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 // first claim, is later than every member's lock: a snapshot taken before a member's lock
 // could miss the attempt record the delivery that held the key committed just before
 // releasing it. It then returns where each lock's answer goes (nil otherwise); a member whose
-// lock was held then is decided RunAlone even if its claim took the lock later.
+// lock was held then is decided RunAlone even if its claim took the lock later, and its key
+// stays locked until the batch ends: the dropped claim's row is the batch transaction's until
+// then, so a claim of the key would wait for it on the server, while a held lock makes it wait
+// in process, without a connection (TestBatchLateMemberIsHeldUntilTheBatchEnds).
 func (t *batchTx) begin(b *pgx.Batch, ds []contract.Delivery) []bool {
 	if !t.counting || t.iso == pgx.ReadCommitted {
 		b.BeginTx(pgx.TxOptions{IsoLevel: t.iso})
