@@ -170,7 +170,6 @@ func (t *batchTx) claim(ctx context.Context, ds []contract.Delivery) ([]contract
 		default:
 			claims[k] = contract.Decide(d, false, stored[k], contract.Record{})
 			claims[k].StoredAt = storedAt[k]
-			t.dups = append(t.dups, clearKey{d.Key, t.periods[k]})
 		}
 	}
 	return claims, nil
@@ -258,9 +257,6 @@ type batchTx struct {
 	periods []time.Time // the members' partition periods (partitioned mode)
 	members []member
 	saved   bool // a savepoint is open
-	// dups are the members found processed (a stored row): their ages go to the duplicate-age
-	// histogram after the batch's COMMIT or ROLLBACK, as a single claim's after its ROLLBACK.
-	dups []clearKey
 }
 
 func (t *batchTx) Context(ctx context.Context) context.Context {
@@ -381,7 +377,7 @@ func (t *batchTx) Commit(ctx context.Context) error {
 				clear = append(clear, clearKey{m.key, t.periods[k]})
 			}
 		}
-		err := t.s.commitWith(ctx, t.conn, t.iso, clear, release{all: t.sessionAll}, t.dups)
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear, release{all: t.sessionAll})
 		if err == nil {
 			t.sessionAll = false // released in COMMIT's round trip
 		}
@@ -398,18 +394,7 @@ func (t *batchTx) Commit(ctx context.Context) error {
 // that were counted.
 func (t *batchTx) Rollback(ctx context.Context) error {
 	return t.end(ctx, func(ctx context.Context) error {
-		var err error
-		if len(t.dups) == 0 {
-			err = t.rollback(ctx)
-		} else {
-			b := &pgx.Batch{}
-			b.Queue("rollback")
-			t.s.queueDuplicateAges(b, t.dups) // after ROLLBACK: a failure here is only a lost count
-			err = t.conn.Conn().SendBatch(ctx, b).Close()
-			if err != nil && !t.conn.Conn().IsClosed() && t.conn.Conn().PgConn().TxStatus() == 'I' {
-				err = nil
-			}
-		}
+		err := t.rollback(ctx)
 		t.takeBack(ctx, true)
 		return err
 	})

@@ -630,7 +630,7 @@ func (t *claimTx) Commit(ctx context.Context) error {
 		if t.session {
 			rel.key = t.lockKey
 		}
-		err := t.s.commitWith(ctx, t.conn, t.iso, clear, rel, nil)
+		err := t.s.commitWith(ctx, t.conn, t.iso, clear, rel)
 		if err != nil {
 			t.commitFailed = true
 		} else if !rel.none() {
@@ -690,15 +690,6 @@ func rolledBack(err error) error {
 	return err
 }
 
-// queueDuplicateAges queues on b, for each of dups, the statement that adds its age to its
-// consumer's duplicate-age histogram (queries/duplicate_age.sql). It must follow the end of the
-// transaction: the statement sets synchronous_commit off for the transaction it runs in.
-func (s *Store) queueDuplicateAges(b *pgx.Batch, dups []clearKey) {
-	for _, d := range dups {
-		b.Queue(s.q.duplicateAge.sql, s.q.duplicateAge.args(keyArgs(d.key, d.period))...)
-	}
-}
-
 // clearKey names a key whose attempt record the commit clears.
 type clearKey struct {
 	key    inbox.Key
@@ -706,13 +697,11 @@ type clearKey struct {
 }
 
 // commitWith sends COMMIT on conn with the clean-up of clear's attempt records (see
-// claimTx.Commit) and, after COMMIT, the ages of a batch's duplicates (dups:
-// queries/duplicate_age.sql, each in an implicit transaction of its own), and classifies its
-// outcome.
-func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey, rel release, dups []clearKey) error {
+// claimTx.Commit), and classifies its outcome.
+func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIsoLevel, clear []clearKey, rel release) error {
 	q := s.q.clearProcessed
 	inside := iso == pgx.ReadCommitted && conn.Conn().PgConn().TxStatus() == 'T'
-	if len(clear) == 0 && rel.none() && len(dups) == 0 {
+	if len(clear) == 0 && rel.none() {
 		return commitAlone(ctx, conn)
 	}
 	b := &pgx.Batch{}
@@ -732,7 +721,6 @@ func (s *Store) commitWith(ctx context.Context, conn *pgxpool.Conn, iso pgx.TxIs
 	if !rel.none() {
 		s.queueRelease(b, rel).Exec(func(pgconn.CommandTag) error { unlocked = true; return nil })
 	}
-	s.queueDuplicateAges(b, dups)
 	err := conn.Conn().SendBatch(ctx, b).Close()
 	switch {
 	case tag.String() == "COMMIT" && !rel.none() && !unlocked:

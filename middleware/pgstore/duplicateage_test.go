@@ -2,7 +2,6 @@ package pgstore_test
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"testing"
 	"time"
@@ -189,85 +188,4 @@ func deref(f *float64) any {
 		return "none"
 	}
 	return *f
-}
-
-// TestBatchDuplicatesAddTheirAges: in the batched mode, every layout, with and without attempt
-// counting, on every isolation level, a member found processed adds its age to its consumer's
-// histogram once the batch ends, committed or rolled back (as a single claim's duplicate does
-// after its ROLLBACK), and the batch's own transaction keeps synchronous_commit on: the
-// histogram's asynchronous commit never reaches the members' claims.
-func TestBatchDuplicatesAddTheirAges(t *testing.T) {
-	for _, l := range everyLayout {
-		for _, counting := range []bool{false, true} {
-			for _, iso := range []sql.IsolationLevel{sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable} {
-				t.Run(fmt.Sprintf("%s/counting=%v/%s", l.name, counting, iso), func(t *testing.T) {
-					s, sch := layoutStore(t, 4, l.cfg)
-					keys := newLayoutKeys(s.Config())
-					ctx := context.Background()
-					delivery := func(name string) contract.Delivery {
-						d := keys.claim(name)
-						d.CountFirst, d.Isolation = false, iso
-						if !counting {
-							d.MaxAttempts = 0
-						}
-						return d
-					}
-					mustCommit(t, s, delivery("m-dup-a"))
-					mustCommit(t, s, delivery("m-dup-b"))
-					histogram := func() int64 {
-						var n int64
-						if err := sch.Pool.QueryRow(ctx, "SELECT coalesce(sum(duplicates), 0) FROM "+s.DuplicateAgesTable()+" WHERE consumer_name = 'c'").Scan(&n); err != nil {
-							t.Fatal(err)
-						}
-						return n
-					}
-
-					bt, cs, err := s.ClaimBatch(ctx, []contract.Delivery{delivery("m-dup-a"), delivery("m-fresh-1"), delivery("m-dup-b")})
-					if err != nil {
-						t.Fatal(err)
-					}
-					if cs[0].Decision != contract.Duplicate || cs[1].Decision != contract.Run || cs[2].Decision != contract.Duplicate {
-						t.Fatalf("decisions %s, %s, %s; want Duplicate, Run, Duplicate", decisionName(cs[0].Decision), decisionName(cs[1].Decision), decisionName(cs[2].Decision))
-					}
-					var sync string
-					if err := handlerTx(t, bt).QueryRow(ctx, "SHOW synchronous_commit").Scan(&sync); err != nil || sync != "on" {
-						t.Fatalf("synchronous_commit in the batch's transaction: %q, %v; want on", sync, err)
-					}
-					if err := bt.Commit(ctx); err != nil {
-						t.Fatal(err)
-					}
-					if n := histogram(); n != 2 {
-						t.Fatalf("after the committed batch: %d duplicates in the histogram, want 2", n)
-					}
-
-					bt, _, err = s.ClaimBatch(ctx, []contract.Delivery{delivery("m-fresh-2"), delivery("m-dup-a")})
-					if err != nil {
-						t.Fatal(err)
-					}
-					if err := bt.Rollback(ctx); err != nil {
-						t.Fatal(err)
-					}
-					if n := histogram(); n != 3 {
-						t.Fatalf("after the rolled-back batch: %d duplicates in the histogram, want 3", n)
-					}
-					if processed(t, sch, s, delivery("m-fresh-2").Key) {
-						t.Fatal("the rolled-back batch's fresh member is stored")
-					}
-					if !processed(t, sch, s, delivery("m-fresh-1").Key) {
-						t.Fatal("the committed batch's fresh member is not stored")
-					}
-				})
-			}
-		}
-	}
-}
-
-// processed reports whether k has a stored row (any layout: the message ID compared as text).
-func processed(t *testing.T, sch *testenv.Schema, s *pgstore.Store, k contract.Key) bool {
-	t.Helper()
-	var n int
-	if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.Table()+" WHERE message_id::text = $1", k.MessageID).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n > 0
 }

@@ -1,7 +1,6 @@
 -- Adds the age of a duplicate to its consumer's histogram (migration 0005): sent after the
--- rollback of a claim that found its key stored, or after the COMMIT or ROLLBACK of a batch
--- with such a member, in the same round trip, so it costs the duplicate no round trip and a
--- processed message nothing. Never inside the claim's transaction (set_config below). The age is the database's now()
+-- rollback of a claim that found its key stored, in the same round trip, so it costs the
+-- duplicate no round trip and a processed message nothing. The age is the database's now()
 -- minus the stored row's received time (in the compact layout the start of its minute, so ages
 -- are to the minute there). No stored row (the key's lock was held by a delivery in flight):
 -- nothing is added. Its implicit transaction commits asynchronously (set_config, local to it):
