@@ -31,23 +31,9 @@ func TestBatchSnapshotSeesTheLastHoldersRecord(t *testing.T) {
 					for k := range ds {
 						ds[k].MaxAttempts, ds[k].CountFirst, ds[k].Isolation = 3, countFirst, iso
 					}
-					// The gate: a trigger that makes the insert of the first member's claim
-					// wait for an advisory lock the test holds, after the batch's snapshot.
-					gate, err := sch.Pool.Acquire(ctx)
-					if err != nil {
-						t.Fatal(err)
-					}
-					defer gate.Release()
-					if _, err := gate.Exec(ctx, "SELECT pg_advisory_lock(4242)"); err != nil {
-						t.Fatal(err)
-					}
-					defer func() { _, _ = gate.Exec(ctx, "SELECT pg_advisory_unlock_all()") }()
-					if _, err := sch.Pool.Exec(ctx, fmt.Sprintf(`CREATE FUNCTION %[1]s.gate() RETURNS trigger LANGUAGE plpgsql AS $$
-						BEGIN IF NEW.message_id::text = %[2]s THEN PERFORM pg_advisory_xact_lock(4242); END IF; RETURN NEW; END $$;
-						CREATE TRIGGER gate BEFORE INSERT ON %[3]s FOR EACH ROW EXECUTE FUNCTION %[1]s.gate()`,
-						sch.Name, "'"+ds[0].Key.MessageID+"'", s.Table())); err != nil {
-						t.Fatal(err)
-					}
+					// The gate (batch_prelock_review_test.go): the insert of the first member's
+					// claim waits, after the batch's snapshot, until the test opens it.
+					open := gate(t, sch, s, ds[0].Key.MessageID)
 					holder := ds[1]
 					holder.CountFirst, holder.Isolation = false, sql.LevelReadCommitted
 					htx, _ := mustClaim(t, s, holder, contract.Run)
@@ -68,9 +54,7 @@ func TestBatchSnapshotSeesTheLastHoldersRecord(t *testing.T) {
 					if n, err := htx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil || n != 1 {
 						t.Fatalf("the holder's Fail: %d, %v; want 1 attempt", n, err)
 					}
-					if _, err := gate.Exec(ctx, "SELECT pg_advisory_unlock(4242)"); err != nil {
-						t.Fatal(err)
-					}
+					open()
 					r := <-done
 					if r.err != nil {
 						t.Fatalf("ClaimBatch: %v", r.err)
@@ -106,10 +90,17 @@ func TestBatchSnapshotSeesTheLastHoldersRecord(t *testing.T) {
 // lock.
 func waitForClaimBlocked(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
+	waitForBlocked(t, pool, "-- The insert-first claim%", "the batch's claim never waited at the gate")
+}
+
+// waitForBlocked waits up to 10 s until a backend whose statement's text is LIKE pattern waits
+// for a lock (pg_stat_activity), and fails t with never otherwise.
+func waitForBlocked(t *testing.T, pool *pgxpool.Pool, pattern, never string) {
+	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
 		var n int
-		if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '-- The insert-first claim%'").Scan(&n); err != nil {
+		if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1", pattern).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		if n > 0 {
@@ -117,5 +108,5 @@ func waitForClaimBlocked(t *testing.T, pool *pgxpool.Pool) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatal("the batch's claim never waited at the gate")
+	t.Fatal(never)
 }

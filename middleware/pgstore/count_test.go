@@ -151,18 +151,7 @@ func lockRecord(t *testing.T, pool *pgxpool.Pool, s *pgstore.Store, k contract.K
 // waitForCountBlocked waits until a backend waits on a lock in the count statement.
 func waitForCountBlocked(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		var n int
-		if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '-- Counts one attempt%'").Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		if n > 0 {
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	t.Fatal("the count statement never waited for the locked record")
+	waitForBlocked(t, pool, "-- Counts one attempt%", "the count statement never waited for the locked record")
 }
 
 // TestCountSkipsADeadLetteredKey: a key dead-lettered while its count waits for the record's
