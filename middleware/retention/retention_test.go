@@ -74,7 +74,7 @@ func TestRunPurgesInTheBackgroundUntilClose(t *testing.T) {
 		if err := sch.Pool.QueryRow(context.Background(), "SELECT count(*) FROM inbox_processed_messages").Scan(&left); err != nil {
 			t.Fatal(err)
 		}
-		if left == 8 {
+		if left == 8 && n() >= 2 { // the later pass deleted them and reported (OnPass runs after its commit)
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
