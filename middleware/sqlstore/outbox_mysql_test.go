@@ -2,6 +2,7 @@ package sqlstore_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strings"
 	"testing"
@@ -77,25 +78,7 @@ func TestOutboxOnSQLStoreMySQL(t *testing.T) {
 		return []*message.Message{out}, nil
 	})
 
-	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 16}, nil)
-	t.Cleanup(func() { _ = broker.Close() })
-	received, err := broker.Subscribe(ctx, "ledger")
-	if err != nil {
-		t.Fatal(err)
-	}
-	relay, err := outbox.NewRelay(outbox.RelayConfig{Config: ocfg, MySQL: b.db, Publisher: broker, PollInterval: 20 * time.Millisecond}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	relayDone := make(chan error, 1)
-	go func() { relayDone <- relay.Run(context.Background()) }()
-	t.Cleanup(func() {
-		_ = relay.Close()
-		if err := <-relayDone; err != nil {
-			t.Errorf("relay.Run: %v", err)
-		}
-	})
-	<-relay.Running()
+	received, relay := startMySQLRelay(t, ocfg, b.db)
 
 	outboxRows := func() int { return b.count(t, "SELECT count(*) FROM "+ocfg.MySQLMessagesTable()) }
 	relayedAll := func(why string) { // a relayed row is deleted in the relay's transaction
@@ -241,25 +224,7 @@ func TestOutboxOnSQLStoreMySQLLeastPrivilegedUser(t *testing.T) {
 		}
 		return []*message.Message{message.NewMessage("out-"+msg.UUID, []byte(`{}`))}, nil
 	})
-	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 16}, nil)
-	t.Cleanup(func() { _ = broker.Close() })
-	received, err := broker.Subscribe(ctx, "ledger")
-	if err != nil {
-		t.Fatal(err)
-	}
-	relay, err := outbox.NewRelay(outbox.RelayConfig{Config: ocfg, MySQL: app, Publisher: broker, PollInterval: 20 * time.Millisecond}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	relayDone := make(chan error, 1)
-	go func() { relayDone <- relay.Run(context.Background()) }()
-	t.Cleanup(func() {
-		_ = relay.Close()
-		if err := <-relayDone; err != nil {
-			t.Errorf("relay.Run: %v", err)
-		}
-	})
-	<-relay.Running()
+	received, _ := startMySQLRelay(t, ocfg, app)
 	for range 2 { // the second delivery is a duplicate
 		m := message.NewMessage("pay-1", []byte(`{}`))
 		m.SetContext(inbox.ContextWithPublishTopic(ctx, "ledger"))
@@ -305,4 +270,30 @@ func TestMySQLGrantSQLRefusesBadNames(t *testing.T) {
 			t.Errorf("MySQLGrantSQL(%+v, %q): %q, %v; want ErrInvalidConfig", c.cfg, c.user, s, err)
 		}
 	}
+}
+
+// startMySQLRelay runs a relay of ocfg on db (RelayConfig.MySQL) into a persistent GoChannel
+// until t ends, and returns the channel of what it publishes on topic "ledger".
+func startMySQLRelay(t *testing.T, ocfg outbox.Config, db *sql.DB) (<-chan *message.Message, *outbox.Relay) {
+	t.Helper()
+	broker := gochannel.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 16}, nil)
+	t.Cleanup(func() { _ = broker.Close() })
+	received, err := broker.Subscribe(context.Background(), "ledger")
+	if err != nil {
+		t.Fatal(err)
+	}
+	relay, err := outbox.NewRelay(outbox.RelayConfig{Config: ocfg, MySQL: db, Publisher: broker, PollInterval: 20 * time.Millisecond}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(context.Background()) }()
+	t.Cleanup(func() {
+		_ = relay.Close()
+		if err := <-relayDone; err != nil {
+			t.Errorf("relay.Run: %v", err)
+		}
+	})
+	<-relay.Running()
+	return received, relay
 }
