@@ -115,18 +115,7 @@ func TestBatchLateMemberIsHeldUntilTheBatchEnds(t *testing.T) {
 				holder := ds[1]
 				holder.Isolation = sql.LevelReadCommitted
 				htx, _ := mustClaim(t, s, holder, contract.Run)
-				type result struct {
-					bt  contract.BatchTx
-					cs  []contract.Claim
-					err error
-				}
-				done := make(chan result, 1)
-				go func() {
-					bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-					defer cancel()
-					bt, cs, err := s.ClaimBatch(bctx, ds)
-					done <- result{bt, cs, err}
-				}()
+				done := claimBatchAsync(s, ds)
 				waitForClaimBlocked(t, sch.Pool)
 				if n, err := htx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil || n != 1 {
 					t.Fatalf("the holder's Fail: %d, %v; want 1 attempt", n, err)

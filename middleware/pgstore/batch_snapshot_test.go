@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/watermill-inbox/watermill-inbox/internal/contract"
+	"github.com/watermill-inbox/watermill-inbox/middleware/pgstore"
 )
 
 // TestBatchSnapshotSeesTheLastHoldersRecord: under REPEATABLE READ and SERIALIZABLE a batch's
@@ -38,18 +39,7 @@ func TestBatchSnapshotSeesTheLastHoldersRecord(t *testing.T) {
 					holder.CountFirst, holder.Isolation = false, sql.LevelReadCommitted
 					htx, _ := mustClaim(t, s, holder, contract.Run)
 
-					type result struct {
-						bt  contract.BatchTx
-						cs  []contract.Claim
-						err error
-					}
-					done := make(chan result, 1)
-					go func() {
-						bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
-						defer cancel()
-						bt, cs, err := s.ClaimBatch(bctx, ds)
-						done <- result{bt, cs, err}
-					}()
+					done := claimBatchAsync(s, ds)
 					waitForClaimBlocked(t, sch.Pool)
 					if n, err := htx.Fail(ctx, contract.Failure{Counts: true, Error: "boom"}); err != nil || n != 1 {
 						t.Fatalf("the holder's Fail: %d, %v; want 1 attempt", n, err)
@@ -109,4 +99,24 @@ func waitForBlocked(t *testing.T, pool *pgxpool.Pool, pattern, never string) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	t.Fatal(never)
+}
+
+// batchResult is what a ClaimBatch returned.
+type batchResult struct {
+	bt  contract.BatchTx
+	cs  []contract.Claim
+	err error
+}
+
+// claimBatchAsync runs s.ClaimBatch(ds) in a goroutine, bounded by 20 s, and returns where its
+// result arrives.
+func claimBatchAsync(s *pgstore.Store, ds []contract.Delivery) <-chan batchResult {
+	done := make(chan batchResult, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		bt, cs, err := s.ClaimBatch(ctx, ds)
+		done <- batchResult{bt, cs, err}
+	}()
+	return done
 }
