@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"hash/maphash"
 	"sync"
 	"time"
@@ -23,10 +24,37 @@ type relayTx struct {
 	wg sync.WaitGroup
 
 	mu        sync.Mutex
+	ending    bool                     // Commit or Rollback began: no publish joins wg any more
 	failed    error                    // the first failed publish of the batch
 	published int                      // publishes confirmed
 	skipped   int                      // malformed rows skipped (acked without a publish)
 	lanes     map[uint64]chan struct{} // per ordering lane: closed when its last publish ended
+}
+
+// errBatchEnded is publish's answer for a row handed to the forwarder after its batch's
+// transaction began to end: the subscriber stopped waiting for its ack (its context was
+// cancelled or it is closing) and commits the rows acked before it. The row's offset is not
+// stored, so it is read and published again.
+var errBatchEnded = errors.New("outbox relay: the batch ended before this row was published")
+
+// join counts one more publish of the batch, or returns false once Commit or Rollback began.
+// Taking t.mu orders every wg.Add before the wg.Wait of end (sync.WaitGroup requires it).
+func (t *relayTx) join() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.ending {
+		return false
+	}
+	t.wg.Add(1)
+	return true
+}
+
+// end refuses further publishes and waits for those that joined.
+func (t *relayTx) end() {
+	t.mu.Lock()
+	t.ending = true
+	t.mu.Unlock()
+	t.wg.Wait()
 }
 
 // failure returns the first failed publish of the batch, or nil.
@@ -37,10 +65,14 @@ func (t *relayTx) failure() error {
 }
 
 // publish starts the publish of msg to topic in the background and returns at once, after
-// waiting for a free slot of MaxInFlight. Publishes of one ordering lane (RelayConfig
+// waiting for a free slot of MaxInFlight; it returns errBatchEnded, publishing nothing, once
+// the batch's Commit or Rollback began. Publishes of one ordering lane (RelayConfig
 // OrderingKey) run one after another, in the order publish was called. After a failed
 // publish the batch publishes nothing more: it is rolled back at Commit and read again.
-func (t *relayTx) publish(pub message.Publisher, topic string, msg *message.Message) {
+func (t *relayTx) publish(pub message.Publisher, topic string, msg *message.Message) error {
+	if !t.join() {
+		return errBatchEnded
+	}
 	r := t.relay
 	var prev, done chan struct{}
 	if r.cfg.OrderingKey != nil {
@@ -56,7 +88,6 @@ func (t *relayTx) publish(pub message.Publisher, topic string, msg *message.Mess
 	}
 	r.slots <- struct{}{} // released when this publish ends
 	r.stats.inFlight.Add(1)
-	t.wg.Add(1)
 	go func() {
 		defer func() {
 			r.stats.inFlight.Add(-1)
@@ -90,6 +121,7 @@ func (t *relayTx) publish(pub message.Publisher, topic string, msg *message.Mess
 		}
 		t.published++
 	}()
+	return nil
 }
 
 // Commit waits for the batch's publishes, then commits the subscriber's transaction (the
@@ -98,7 +130,7 @@ func (t *relayTx) publish(pub message.Publisher, topic string, msg *message.Mess
 // again (at least once), waits ResendInterval (or until the relay is closed), and returns
 // errBatchFailed.
 func (t *relayTx) Commit() error {
-	t.wg.Wait()
+	t.end()
 	r := t.relay
 	ctx, cancel := r.detached(context.Background())
 	defer cancel()
@@ -130,7 +162,7 @@ func (t *relayTx) Commit() error {
 // Rollback waits for the batch's publishes (they are published again by the next poll) and
 // rolls the transaction back on a detached context.
 func (t *relayTx) Rollback() error {
-	t.wg.Wait()
+	t.end()
 	ctx, cancel := t.relay.detached(context.Background())
 	defer cancel()
 	err := t.tx.rollback(ctx)
@@ -191,7 +223,14 @@ func (p pipelinePublisher) Publish(topic string, msgs ...*message.Message) error
 		return nil
 	}
 	for _, m := range msgs {
-		rtx.publish(p.pub, topic, m)
+		if err := rtx.publish(p.pub, topic, m); err != nil {
+			// Nobody waits for this row's ack any more (the subscriber hands rows one at a
+			// time and ends the batch only after its last send returned), so nil drops it
+			// without the router's ERROR line; its offset is not stored.
+			p.relay.logger.Debug("Outbox relay dropped a row handed over as its batch ended; it is read again",
+				watermill.LogFields{"message_uuid": m.UUID})
+			return nil
+		}
 	}
 	return nil
 }
