@@ -196,6 +196,18 @@ func startRelay(t *testing.T, cfg outbox.RelayConfig) (*outbox.Relay, <-chan err
 	return r, done
 }
 
+// stopRelay closes r and fails t when Close does. A relay counts a batch in Stats and reports
+// it to OnBatch only after the batch's transaction committed, so a test that saw the
+// committed offset (waitAllAcked) can read Stats before they include that batch; once Close
+// returned, the SQL subscriber's goroutine has ended, every batch's Commit or Rollback with
+// it, and Stats and the OnBatch reports are final.
+func stopRelay(t *testing.T, r *outbox.Relay) {
+	t.Helper()
+	if err := r.Close(); err != nil {
+		t.Fatalf("closing the relay: %v", err)
+	}
+}
+
 // collect reads n messages from ch, acking each, and fails t after timeout.
 func collect(t *testing.T, ch <-chan *message.Message, n int, timeout time.Duration) []*message.Message {
 	t.Helper()

@@ -56,6 +56,7 @@ func TestRelaySkipsAndReportsRowsItCannotRead(t *testing.T) {
 
 	got := waitRelayed(t, pub, len(before)+len(after), 15*time.Second)
 	waitAllAcked(t, e, "")
+	stopRelay(t, r)
 	want := map[string]bool{}
 	for _, id := range append(before, after...) {
 		want[id] = true

@@ -139,7 +139,7 @@ func TestRelayPipelinesPublishesWithinABatch(t *testing.T) {
 	r, _ := startRelay(t, cfg)
 	got := waitRelayed(t, pub, n, 30*time.Second)
 	waitAllAcked(t, e, "")
-	time.Sleep(50 * time.Millisecond) // nothing more may come
+	stopRelay(t, r) // nothing more may come, and Stats and OnBatch are final
 	got = pub.snapshot()
 	if len(got) != n {
 		t.Fatalf("relayed %d messages, want exactly %d (no failure, so no republish)", len(got), n)
@@ -203,6 +203,7 @@ func TestRelayFailedPipelinedPublishRepublishesTheBatch(t *testing.T) {
 		BatchSize: 50, PollInterval: 20 * time.Millisecond, ResendInterval: 20 * time.Millisecond})
 	waitRelayed(t, pub, n, 30*time.Second)
 	waitAllAcked(t, e, "")
+	stopRelay(t, r)
 	got := pub.snapshot()
 	count := map[string]int{}
 	for _, m := range got {
