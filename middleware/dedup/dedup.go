@@ -6,8 +6,14 @@
 //	d := &middleware.Deduplicator{
 //		KeyFactory: func(msg *message.Message) (string, error) { return msg.UUID, nil },
 //		Repository: repo,
+//		Timeout:    10 * time.Second, // required: see below
 //	}
 //	router.AddMiddleware(d.Middleware)
+//
+// Set Timeout. Watermill gives a Deduplicator literal without one a deadline of 5 ms per
+// IsDuplicate (only a nil Deduplicator gets a minute), and 5 ms is less than one database
+// round trip and commit on a loaded machine, or any wait for a copy's row lock: the delivery
+// then fails with "context deadline exceeded".
 //
 // # What it does not give
 //

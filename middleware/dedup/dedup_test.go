@@ -116,6 +116,7 @@ func TestBehindWatermillsDeduplicator(t *testing.T) {
 	d := &middleware.Deduplicator{
 		KeyFactory: func(msg *message.Message) (string, error) { return msg.UUID, nil },
 		Repository: repo,
+		Timeout:    10 * time.Second, // without it, 5 ms per check: failed on a loaded machine
 	}
 	fail := errors.New("handler failed")
 	h := d.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -159,5 +160,58 @@ func TestInvalidKeysAndConfig(t *testing.T) {
 		if _, err := dedup.New(cfg); !errors.Is(err, dedup.ErrInvalidConfig) {
 			t.Errorf("New(%+v): %v, want dedup.ErrInvalidConfig", cfg, err)
 		}
+	}
+}
+
+// TestDeduplicatorNeedsATimeout: a Deduplicator literal without Timeout gives each check 5 ms
+// (Watermill's floor), so a check that waits for a copy's row lock fails with a deadline;
+// with the Timeout the package doc sets, the same check waits and finds the duplicate.
+func TestDeduplicatorNeedsATimeout(t *testing.T) {
+	repo, sch := newRepo(t, "dedup-timeout", time.Hour)
+	check := func(timeout time.Duration) error {
+		ctx := context.Background()
+		tx, err := sch.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO inbox_processed_messages (message_id, consumer_name) VALUES ('m-held', 'dedup-timeout')"); err != nil {
+			_ = tx.Rollback(ctx)
+			t.Fatal(err)
+		}
+		// Without a Timeout the copy commits once the check returned (it must not have waited);
+		// with one, after 100 ms of the check waiting for the lock (a check that starts later
+		// finds the committed row: a duplicate all the same).
+		returned := make(chan struct{})
+		committed := make(chan error, 1)
+		go func() {
+			if timeout == 0 {
+				<-returned
+			} else {
+				time.Sleep(100 * time.Millisecond)
+			}
+			committed <- tx.Commit(ctx)
+		}()
+		defer func() {
+			close(returned)
+			if err := <-committed; err != nil {
+				t.Errorf("the copy's commit: %v", err)
+			}
+		}()
+		d := &middleware.Deduplicator{
+			KeyFactory: func(msg *message.Message) (string, error) { return msg.UUID, nil },
+			Repository: repo,
+			Timeout:    timeout,
+		}
+		_, err = d.Middleware(func(*message.Message) ([]*message.Message, error) {
+			return nil, errors.New("the handler ran for a duplicate")
+		})(message.NewMessage("m-held", nil))
+		return err
+	}
+	if err := check(0); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("without Timeout: %v, want a deadline (Watermill's 5 ms)", err)
+	}
+	sch.Exec(t, "DELETE FROM inbox_processed_messages WHERE consumer_name = 'dedup-timeout'")
+	if err := check(10 * time.Second); err != nil {
+		t.Fatalf("with the documented Timeout: %v, want the duplicate dropped", err)
 	}
 }
